@@ -1,0 +1,48 @@
+# Stable user interface of the stack. Every target that needs the environment builds it
+# first (idempotent: .venv/.installed is rebuilt only when a requirements file changes).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# fbgemm build: the CUDA wheel where a GPU is visible, the CPU build elsewhere.
+FBGEMM ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo fbgemm-gpu==1.8.0 || echo fbgemm-gpu-cpu==1.8.0)
+
+PRESET ?= demo
+RUN ?= runs/$(PRESET)
+NPROC ?= 2
+DATA ?=
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup train bench test lint fmt clean help
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+setup: $(VENV)/.installed  ## create .venv with the pinned CPU (or CUDA) set
+
+$(VENV)/.installed: requirements/base.txt requirements/torchrec.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements/base.txt $(FBGEMM)
+	$(PY) -m pip install -q --no-deps -r requirements/torchrec.txt
+	$(PY) -c "import torch, fbgemm_gpu, torchrec; print('torch', torch.__version__, 'torchrec', torchrec.__version__)"
+	touch $@
+
+train: setup  ## train PRESET (tiny|demo|criteo-kaggle) with NPROC processes into RUN; DATA=<tsv file|dir> for real data
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m training.train \
+		--config training/configs/$(PRESET).toml --run-dir $(RUN) $(if $(DATA),--data $(DATA)) $(ARGS)
+
+bench: setup  ## trainer vs raw DMP step vs plain PyTorch DLRM, printed as ratios
+	$(PY) -m training.bench $(ARGS)
+
+test: setup  ## the CI suite (CPU, real torchrun process groups)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup  ## ruff + mypy
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy training
+
+fmt: setup
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+clean:  ## remove runs and caches (not the venv)
+	rm -rf runs data/cache data/synthetic .pytest_cache

@@ -1,0 +1,171 @@
+"""End-to-end trainer tests: real torchrun process groups (gloo) on the tiny preset."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, run_train
+from training.checkpoint import KILL_IN_SAVE_ENV, read_tensors
+from training.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--config", "training/configs/tiny.toml", "--no-progress"]
+# Run A's plan: C1 and C2 split by columns over both ranks, every other table whole on one rank.
+PLAN_A = [
+    'sharding.sharding_types=["table_wise"]',
+    'sharding.tables.t_C1.sharding_types=["column_wise"]',
+    "sharding.tables.t_C1.min_partition=4",
+    'sharding.tables.t_C2.sharding_types=["column_wise"]',
+    "sharding.tables.t_C2.min_partition=4",
+    "train.log_every=10",
+]
+# The resumed runs' plan: one process, every table whole ("table_wise").
+PLAN_B = ['sharding.sharding_types=["table_wise"]', "train.log_every=10"]
+EMB = "model.model.sparse_arch.embedding_bag_collection.embedding_bags."
+MOM = "optim.state.model.sparse_arch.embedding_bag_collection.embedding_bags."
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run / "train_loss.jsonl")}
+
+
+def _plan(ckpt: Path) -> dict[str, dict]:
+    return {r["table"]: r for r in json.loads((ckpt / "plan.json").read_text())}
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory: pytest.TempPathFactory, data_dirs: list[str]) -> Path:
+    """2 ranks, column-wise + table-wise, 60 steps, checkpoints at 30 and 60."""
+    run = tmp_path_factory.mktemp("run_a")
+    run_train([*TINY, "--run-dir", str(run), *data_dirs, *PLAN_A, "train.max_steps=60"], nproc=2)
+    return run
+
+
+def test_two_rank_run_learns_and_records(run_a: Path) -> None:
+    ckpts = run_a / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000060"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000030", "step_00000060"]
+    plan = _plan(ckpts / "step_00000030")
+    assert plan["t_C1"]["sharding_type"] == "column_wise" and plan["t_C1"]["ranks"] == [0, 1]
+    assert plan["t_C3"]["sharding_type"] == "table_wise"
+    evals = read_metrics(run_a / "metrics.jsonl")
+    assert [e["step"] for e in evals] == [30, 60]
+    for key in ("step", "auc", "ne", "samples_per_sec", "oracle_auc"):
+        assert key in evals[-1]
+    # It learns the planted signal: most of the way to the Bayes limit in 60 small steps.
+    assert evals[-1]["auc"] > 0.9 * evals[-1]["oracle_auc"]
+    assert evals[-1]["ne"] < 1.0
+    losses = _losses(run_a)
+    assert losses[60] < losses[10]
+
+
+def test_resume_on_one_rank_with_another_plan_restores_state(
+    run_a: Path, tmp_path: Path, data_dirs: list[str]
+) -> None:
+    src = run_a / "checkpoints" / "step_00000030"
+    run_b = tmp_path / "b"
+    # Zero further steps: the resumed state is saved as loaded, under the new plan.
+    run_train(
+        [
+            *TINY,
+            "--run-dir",
+            str(run_b),
+            "--resume",
+            str(src),
+            *data_dirs,
+            *PLAN_B,
+            "train.max_steps=30",
+        ],
+        nproc=1,
+    )
+    dst = run_b / "checkpoints" / "step_00000030"
+    assert _plan(dst)["t_C1"]["sharding_type"] == "table_wise"
+    saved, loaded = read_tensors(src), read_tensors(dst)
+    for key, value in saved.items():
+        if key.startswith("model."):
+            assert torch.equal(loaded[key], value), key  # weights bit-exact through resharding
+    for table in ("t_C3", "t_C10"):  # table-wise -> table-wise: accumulators exact
+        key = f"{MOM}{table}.weight.{table}.momentum1"
+        assert torch.equal(loaded[key], saved[key]), key
+    rows = 128
+    for table in ("t_C1", "t_C2"):  # 2 column shards -> 1 whole table: the per-row mean
+        key = f"{MOM}{table}.weight.{table}.momentum1"
+        assert saved[key].numel() == 2 * rows and loaded[key].numel() == rows
+        assert torch.allclose(loaded[key], saved[key].view(2, rows).mean(0))
+        assert loaded[key].abs().sum() > 0
+    # Dense optimizer state (Adagrad sums of the MLPs) comes back too.
+    dense = [k for k in saved if k.startswith("optim.state.model.over_arch")]
+    assert dense and all(torch.equal(loaded[k], saved[k]) for k in dense)
+    meta = json.loads((dst / "meta.json").read_text())
+    assert meta["progress"]["step"] == 30 and meta["world_size"] == 1
+
+
+def test_resumed_loss_continues_where_it_was(
+    run_a: Path, tmp_path: Path, data_dirs: list[str]
+) -> None:
+    src = run_a / "checkpoints" / "step_00000030"
+    run_c = tmp_path / "c"
+    run_train(
+        [
+            *TINY,
+            "--run-dir",
+            str(run_c),
+            "--resume",
+            str(src),
+            *data_dirs,
+            *PLAN_B,
+            "train.max_steps=60",
+        ],
+        nproc=1,
+    )
+    a, c = _losses(run_a), _losses(run_c)
+    assert sorted(c) == [40, 50, 60]  # the step counter continued from 30
+    for step in (40, 50, 60):
+        # Same global batches on 1 rank as on 2; only the float summation order and the
+        # column-sharded accumulators differ, so the curves stay together.
+        assert abs(c[step] - a[step]) < 0.01, (step, a[step], c[step])
+
+
+def test_kill_during_save_keeps_latest_then_resumes(tmp_path: Path, data_dirs: list[str]) -> None:
+    run = tmp_path / "k"
+    args = [*TINY, "--run-dir", str(run), *data_dirs, "train.max_steps=60"]
+    proc = run_train(args, nproc=2, env={KILL_IN_SAVE_ENV: "60"}, check=False)
+    assert proc.returncode != 0
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000030"
+    assert (ckpts / "step_00000060.partial").is_dir()  # the interrupted save, never renamed
+    assert not (ckpts / "step_00000060").exists()
+    run_train(args, nproc=2)  # resume=auto picks latest and redoes steps 31..60
+    assert (ckpts / "latest").read_text().strip() == "step_00000060"
+    assert not (ckpts / "step_00000060.partial").exists()
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    assert steps == [30, 60]  # the killed run's eval at 60 was dropped when 31..60 were redone
+
+
+def test_trains_on_criteo_file_with_edge_cases(tmp_path: Path, data_dirs: list[str]) -> None:
+    data = ROOT / "tests" / "data" / "criteo_edge_cases.tsv"
+    run = tmp_path / "edge"
+    proc = run_train(
+        [
+            *TINY,
+            "--run-dir",
+            str(run),
+            "--data",
+            str(data),
+            *data_dirs[:1],
+            "train.batch_size=2",
+            "data.eval_fraction=0.3",
+            "train.eval_every=0",
+            "train.checkpoint_every=0",
+        ],
+        nproc=2,
+    )
+    meta = json.loads((run / "checkpoints" / "step_00000003" / "meta.json").read_text())
+    report = meta["data"]["parse_report"]
+    assert report["rows_ok"] == 9 and report["rows_bad"] == 1
+    assert "criteo_edge_cases.tsv:" in proc.stderr  # the skipped row is named with file:line

@@ -1,0 +1,1 @@
+"""Training stage: data, sharded DLRM on TorchRec, checkpoints, export."""

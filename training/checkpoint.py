@@ -1,0 +1,341 @@
+"""Sharded, resumable checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout under ``<run>/checkpoints/``::
+
+    step_00000100/          complete: DCP shards + .metadata, meta.json, plan.json
+    step_00000200.partial/  being written (or left by a killed save; ignored, then removed)
+    latest                  text file naming the newest complete step directory
+
+Every rank writes its own shards into ``step_N.partial``; only after DCP has written the
+metadata and every rank has passed a barrier does rank 0 rename the directory and replace
+``latest`` atomically. A save killed at any point leaves ``latest`` on the previous one.
+
+Loading goes through DCP, which reshards onto whatever world size and plan the resuming job
+has. One state TorchRec does not reshard by itself: the row-wise Adagrad accumulator of a
+column-sharded table is stored per column shard (``rows * shards`` values). It is converted
+here through its canonical per-row form (the width-weighted mean over column shards, which is
+exactly the accumulator a full-row table would have).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from training.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+META = "meta.json"
+PLAN = "plan.json"
+PARTIAL = ".partial"
+# Fault injection for the crash-during-save test: rank 0 SIGKILLs itself after every rank has
+# written its shards and before the directory is renamed (the most delicate moment).
+KILL_IN_SAVE_ENV = "RECSYS_TEST_KILL_IN_SAVE_AT_STEP"
+# Model fields that fix tensor shapes; a checkpoint resumes only into the same ones.
+SHAPE_FIELDS = (
+    "arch",
+    "embedding_dim",
+    "num_embeddings",
+    "dense_arch",
+    "over_arch",
+    "dcn_num_layers",
+    "dcn_low_rank_dim",
+)
+
+
+@dataclass
+class Progress:
+    """Where training stands; stored in meta.json."""
+
+    step: int = 0
+    epoch: int = 0
+    rows_in_epoch: int = 0
+    samples_seen: int = 0
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_complete(path: Path) -> bool:
+    return (path / ".metadata").is_file() and (path / META).is_file()
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete step directories, oldest first."""
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.name.startswith("step_") and p.suffix != PARTIAL]
+    return sorted((p for p in dirs if is_complete(p)), key=lambda p: p.name)
+
+
+def save(
+    root: Path,
+    progress: Progress,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    plan: list[dict[str, Any]],
+    keep_last: int,
+) -> Path:
+    """Collective: every rank writes its shards of ``state``; returns the complete directory."""
+    final = root / step_dir_name(progress.step)
+    tmp = root / (final.name + PARTIAL)
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    t0 = time.perf_counter()
+    dcp.save(state, checkpoint_id=str(tmp))
+    if _rank() == 0:
+        record = {**meta, "progress": progress.__dict__, "saved_at": time.time()}
+        _write_atomic(tmp / META, json.dumps(record, indent=2, sort_keys=True))
+        _write_atomic(tmp / PLAN, json.dumps(plan, indent=2))
+    _barrier()  # every rank's shards are on disk
+    if _rank() == 0:
+        if os.environ.get(KILL_IN_SAVE_ENV) == str(progress.step):
+            logger.warning(
+                "%s: killing rank 0 during the save of step %d", KILL_IN_SAVE_ENV, progress.step
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
+        if final.exists():  # re-saving a step after a resume: the new one replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(root / LATEST, final.name + "\n")
+        _prune(root, keep_last)
+        logger.info("checkpoint %s saved in %.1fs", final, time.perf_counter() - t0)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    latest = read_latest(root)
+    for p in complete_checkpoints(root)[:-keep_last]:
+        if p != latest:
+            shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob("step_*" + PARTIAL):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def read_latest(root: Path) -> Path | None:
+    """The complete checkpoint that ``latest`` names, or None when there is no ``latest``."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    target = root / pointer.read_text().strip()
+    if not is_complete(target):
+        raise CheckpointError(
+            f"{pointer} names {target.name}, which is missing or incomplete; "
+            f"pass --resume <a step directory> or --resume none"
+        )
+    return target
+
+
+def resolve(resume: str, root: Path) -> Path | None:
+    """``auto`` -> latest (or None for a fresh run), ``none`` -> None, else a checked path."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        latest = read_latest(root)
+        if latest is None and any(root.glob("step_*" + PARTIAL)):
+            logger.warning("%s has only interrupted saves; starting fresh", root)
+        return latest
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if not is_complete(path):
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (no .metadata or {META}): its save was interrupted"
+        )
+    return path
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta: dict[str, Any] = json.loads((path / META).read_text())
+        return meta
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path / META}: unreadable ({e})") from None
+
+
+def check_compatible(path: Path, meta: dict[str, Any], model_cfg: dict[str, Any]) -> None:
+    """Raise CheckpointError naming the first model field that differs from the checkpoint's."""
+    saved = meta.get("config", {}).get("model", {})
+    for key in SHAPE_FIELDS:
+        if key in saved and saved[key] != model_cfg.get(key):
+            raise CheckpointError(
+                f"checkpoint {path} has model.{key}={_short(saved[key])} but this config has "
+                f"{_short(model_cfg.get(key))}: a resume needs the same model shape "
+                f"(use another --run-dir or --resume none)"
+            )
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def load(
+    path: Path, state: dict[str, Any], table_rows: dict[str, int]
+) -> tuple[dict[str, Any], list[str]]:
+    """Load ``path`` into ``state`` (collective); returns the loaded state and skipped keys.
+
+    Tensors whose saved shape matches are loaded by DCP, which reshards. Row-wise optimizer
+    accumulators of column-sharded tables are converted (see module docstring). Optimizer
+    states that have no counterpart (a table moved between data-parallel and a fused kernel)
+    are left freshly initialized and returned so the caller can say so; a missing or
+    mismatched *model* tensor is an error.
+    """
+    try:
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:  # any read/unpickle failure means the checkpoint is unusable
+        raise CheckpointError(f"checkpoint {path}: cannot read its DCP metadata ({e})") from None
+    flat, mapping = flatten_state_dict(state)
+    direct: dict[str, Any] = {}
+    convert: list[str] = []
+    skipped: list[str] = []
+    for key, value in flat.items():
+        md = saved.get(key)
+        size = _size(value)
+        if md is not None and (
+            size is None or (isinstance(md, TensorStorageMetadata) and md.size == size)
+        ):
+            direct[key] = value
+        elif (
+            md is not None
+            and isinstance(md, TensorStorageMetadata)
+            and _rowwise_table(key, table_rows)
+        ):
+            convert.append(key)
+        elif key.startswith("model."):
+            raise CheckpointError(
+                f"checkpoint {path} has no tensor '{key}' of shape {list(size or [])}: "
+                "it was written by another model"
+            )
+        else:
+            skipped.append(key)
+    try:
+        dcp.load(direct, checkpoint_id=str(path))
+        for key in convert:
+            table = _rowwise_table(key, table_rows)
+            widths = _column_widths(path, table)
+            _load_rowwise(path, key, saved[key], flat[key], table_rows[table], widths)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path}: load failed: {first}") from None
+    flat.update(direct)
+    return unflatten_state_dict(flat, mapping), skipped
+
+
+def _size(value: Any) -> torch.Size | None:
+    if isinstance(value, ShardedTensor | torch.Tensor):
+        return value.size()
+    return None
+
+
+def _rowwise_table(key: str, table_rows: dict[str, int]) -> str:
+    """Table name if ``key`` is a row-wise optimizer state (``...<table>.momentum1``)."""
+    if not key.startswith("optim.") or not key.endswith(".momentum1"):
+        return ""
+    table = key.rsplit(".", 2)[-2]
+    return table if table in table_rows else ""
+
+
+def _column_widths(path: Path, table: str) -> list[int]:
+    """Column-shard widths of ``table`` in the saved plan, by column offset ([] if unknown)."""
+    try:
+        plan = json.loads((path / PLAN).read_text())
+    except (OSError, json.JSONDecodeError):
+        return []
+    for row in plan:
+        if row.get("table") == table:
+            shards = sorted(row.get("shards", []), key=lambda s: s["offsets"][1])
+            return [int(s["sizes"][1]) for s in shards]
+    return []
+
+
+def _load_rowwise(
+    path: Path, key: str, md: TensorStorageMetadata, target: Any, rows: int, widths: list[int]
+) -> None:
+    """Saved ``[rows * k]`` accumulator -> canonical ``[rows]`` -> target ``[rows * k']``.
+
+    Each column shard's accumulator is the running sum of ``mean(g^2)`` over its own columns,
+    so the full-row value is the mean over shards weighted by shard width.
+    """
+    if md.size[0] % rows or (_size(target) or torch.Size([0]))[0] % rows:
+        raise CheckpointError(f"checkpoint {path}: '{key}' has {md.size[0]} values for {rows} rows")
+    full = torch.empty(md.size, dtype=md.properties.dtype)
+    dcp.load({key: full}, checkpoint_id=str(path))
+    per_shard = full.view(-1, rows)
+    k = per_shard.shape[0]
+    w = torch.tensor(widths if len(widths) == k else [1] * k, dtype=per_shard.dtype)
+    canonical = (per_shard * (w / w.sum())[:, None]).sum(dim=0)
+    shards = (
+        [s.tensor for s in target.local_shards()] if isinstance(target, ShardedTensor) else [target]
+    )
+    for t in shards:
+        t.copy_(canonical.repeat(t.numel() // rows))
+
+
+def read_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint whose key starts with ``prefix``, whole, in this process.
+
+    For inspection and tests (no process group needed); export loads through the model.
+    """
+    try:
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read its DCP metadata ({e})") from None
+    out = {
+        k: torch.empty(md.size, dtype=md.properties.dtype)
+        for k, md in saved.items()
+        if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
+    dcp.load(out, checkpoint_id=str(path), no_dist=True)
+    return out

@@ -1,0 +1,370 @@
+"""Typed training config: defaults < TOML preset < command-line ``section.key=value`` overrides.
+
+Every field has a comment; choices are ``Literal`` and checked. Unknown keys are errors (a
+typo must not silently train the default). ``parse_args(argv)`` takes its own argv so tests
+can drive it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from training.errors import ConfigError
+from training.features import NUM_SPARSE, SPARSE_NAMES, table_name
+
+ShardingType = Literal[
+    "data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise"
+]
+ComputeKernel = Literal["dense", "fused"]
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Criteo TSV file or folder of day files; empty = the embedded synthetic set."""
+    eval_fraction: float = 0.1
+    """Last fraction of rows held out for evaluation (time-ordered, like Criteo's last day)."""
+    on_bad_row: Literal["skip", "fail"] = "skip"
+    """Malformed rows: skip with a warning (up to max_bad_rows) or fail on the first one."""
+    max_bad_rows: int = 1000
+    """Fail when more malformed rows than this are skipped."""
+    cache_dir: str = "data/cache"
+    """Binary shards preprocessed from the TSV, keyed by the inputs' paths, sizes and mtimes."""
+    synthetic_dir: str = "data/synthetic"
+    """Where the synthetic TSV (and its true-probability sidecar) is generated."""
+    synthetic_rows: int = 200_000
+    """Rows of synthetic data (train + eval)."""
+    synthetic_vocab: int = 1000
+    """Distinct ids per synthetic categorical feature."""
+    synthetic_seed: int = 0
+    """Seed of the synthetic generator."""
+
+
+@dataclass
+class ModelConfig:
+    arch: Literal["dlrm", "dlrm_dcn"] = "dlrm"
+    """DLRM (dot interaction) or DLRM-DCN (DCN-v2 cross interaction)."""
+    embedding_dim: int = 16
+    """Width of every embedding table (D)."""
+    num_embeddings: int | list[int] = 1000
+    """Rows per table: one number for all 26, or a list of 26. Ids are hashed ``id mod rows``."""
+    dense_arch: list[int] = field(default_factory=lambda: [64, 16])
+    """Bottom MLP over the 13 dense features; its last size must equal embedding_dim."""
+    over_arch: list[int] = field(default_factory=lambda: [64, 1])
+    """Top MLP over the interaction; its last size must be 1 (one logit)."""
+    dcn_num_layers: int = 3
+    """DCN-v2 cross layers (arch = dlrm_dcn)."""
+    dcn_low_rank_dim: int = 16
+    """Low-rank width of each DCN-v2 cross layer (arch = dlrm_dcn)."""
+
+    def rows(self) -> list[int]:
+        """Rows of each of the 26 tables, in feature order."""
+        if isinstance(self.num_embeddings, int):
+            return [self.num_embeddings] * NUM_SPARSE
+        return list(self.num_embeddings)
+
+
+@dataclass
+class TableSharding:
+    sharding_types: list[ShardingType] = field(default_factory=list)
+    """Sharding types the planner may choose for this table (empty = any)."""
+    compute_kernels: list[ComputeKernel] = field(default_factory=list)
+    """Compute kernels allowed (fused = fbgemm TBE with the optimizer in backward)."""
+    min_partition: int = 0
+    """Smallest column shard width for column-wise sharding (0 = planner default)."""
+
+
+@dataclass
+class ShardingConfig:
+    sharding_types: list[ShardingType] = field(default_factory=list)
+    """Sharding types allowed for every table (empty = all that the device supports)."""
+    compute_kernels: list[ComputeKernel] = field(default_factory=list)
+    """Compute kernels allowed for every table (empty = planner's choice)."""
+    tables: dict[str, TableSharding] = field(default_factory=dict)
+    """Per-table constraints keyed by table name (t_C1 .. t_C26); they replace the defaults."""
+    storage_reservation: float = 0.15
+    """Fraction of each rank's memory the planner keeps free for activations and buffers."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.storage_reservation < 1.0:
+            raise ConfigError(
+                f"sharding.storage_reservation = {self.storage_reservation}: must be in [0, 1)"
+            )
+
+    memory_cap_gb: float = 0.0
+    """Per-rank memory cap for the planner (DDR on CPU, HBM on GPU); 0 = measure the machine."""
+
+
+@dataclass
+class OptimConfig:
+    embedding: Literal["rowwise_adagrad", "adagrad", "sgd", "adam"] = "rowwise_adagrad"
+    """Embedding optimizer, fused into backward (fbgemm TBE)."""
+    embedding_lr: float = 0.05
+    """Learning rate of the fused embedding optimizer."""
+    dense: Literal["adagrad", "adam", "sgd"] = "adagrad"
+    """Optimizer of the MLPs (and of data-parallel tables)."""
+    dense_lr: float = 0.05
+    """Learning rate of the dense optimizer."""
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 1024
+    """Global batch size; each of W ranks takes batch_size / W rows of every step."""
+    epochs: int = 1
+    """Passes over the training split."""
+    max_steps: int = 0
+    """Stop after this many steps in total (0 = run the epochs)."""
+    eval_every: int = 0
+    """Evaluate every K steps (0 = only at the end)."""
+    eval_rows: int = 0
+    """Rows of the held-out split used per evaluation (0 = all)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every K steps (0 = only at the end)."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
+    pipeline: Literal["sparse_dist", "base"] = "sparse_dist"
+    """TrainPipelineSparseDist overlaps the next batch's input all-to-all with this step."""
+    compile_dense: bool = False
+    """torch.compile the dense arch (bottom MLP) and over arch."""
+    seed: int = 0
+    """Seed of model init and of the per-epoch shuffle."""
+    log_every: int = 20
+    """Steps between progress-bar metric updates."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    name: str = "custom"
+    """Preset name, recorded in checkpoints and metrics."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first inconsistent field."""
+        rows = self.model.rows()
+        if len(rows) != NUM_SPARSE:
+            raise ConfigError(
+                f"model.num_embeddings has {len(rows)} entries; it needs one per feature ({NUM_SPARSE})"
+            )
+        for i, r in enumerate(rows):
+            if r < 1:
+                raise ConfigError(
+                    f"model.num_embeddings[{i}] (table {table_name(SPARSE_NAMES[i])}) = {r}: "
+                    "a table needs at least 1 row"
+                )
+        m = self.model
+        _positive("model.embedding_dim", m.embedding_dim)
+        if not m.dense_arch or any(s < 1 for s in m.dense_arch):
+            raise ConfigError(f"model.dense_arch = {m.dense_arch}: needs positive layer sizes")
+        if m.dense_arch[-1] != m.embedding_dim:
+            raise ConfigError(
+                f"model.dense_arch ends with {m.dense_arch[-1]} but model.embedding_dim is "
+                f"{m.embedding_dim}: the bottom MLP's output joins the embeddings, so they must match"
+            )
+        if not m.over_arch or m.over_arch[-1] != 1 or any(s < 1 for s in m.over_arch):
+            raise ConfigError(f"model.over_arch = {m.over_arch}: positive sizes ending with 1")
+        t = self.train
+        _positive("train.batch_size", t.batch_size)
+        _positive("train.epochs", t.epochs)
+        _positive("train.keep_last", t.keep_last)
+        for name in ("max_steps", "eval_every", "eval_rows", "checkpoint_every"):
+            if getattr(t, name) < 0:
+                raise ConfigError(f"train.{name} = {getattr(t, name)}: must be >= 0")
+        if not 0.0 < self.data.eval_fraction < 1.0:
+            raise ConfigError(f"data.eval_fraction = {self.data.eval_fraction}: must be in (0, 1)")
+        valid_tables = {table_name(f) for f in SPARSE_NAMES}
+        for tname in self.sharding.tables:
+            if tname not in valid_tables:
+                raise ConfigError(
+                    f"sharding.tables.{tname}: no such table{_suggest(tname, valid_tables)}"
+                )
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{name} = {value}: must be >= 1")
+
+
+def _suggest(key: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(options), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# dict -> dataclass with type checks
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table of keys, got {value!r}")
+        return _build(tp, value, where)  # type: ignore[arg-type]
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            choices = ", ".join(repr(c) for c in typing.get_args(tp))
+            raise ConfigError(f"{where} = {value!r}: must be one of {choices}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        errors = []
+        for arm in typing.get_args(tp):
+            try:
+                return _coerce(value, arm, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[-1])
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} = {value!r}: expected a list")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table of keys, got {value!r}")
+        _, vt = typing.get_args(tp)
+        return {k: _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if type(value) is not tp:
+            raise ConfigError(f"{where} = {value!r}: expected {tp.__name__}")
+        return value
+    raise TypeError(f"unsupported config type {tp} at {where}")  # a bug in this file
+
+
+def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            raise ConfigError(f"unknown key '{path}'{_suggest(key, names)}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _parse_override(text: str) -> dict[str, Any]:
+    """``a.b.c=value`` -> ``{"a": {"b": {"c": value}}}``; value in TOML syntax, else a string."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}': expected section.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    node: dict[str, Any] = {}
+    cur = node
+    parts = key.strip().split(".")
+    for p in parts[:-1]:
+        cur[p] = cur = {}
+    cur[parts[-1]] = value
+    return node
+
+
+def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults < TOML file < overrides; validated."""
+    raw: dict[str, Any] = {}
+    where = ""
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: invalid TOML: {e}") from None
+        where = str(p)
+    for o in overrides:
+        raw = _merge(raw, _parse_override(o))
+    try:
+        cfg: Config = _build(Config, raw, "")
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}" if where else str(e)) from None
+    cfg.validate()
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    cfg: Config = _build(Config, raw, "")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+@dataclass
+class RunArgs:
+    config: Config
+    run_dir: Path
+    resume: str  # "auto" | "none" | a checkpoint path
+    progress: bool
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc_per_node=N -m training.train",
+        description=(
+            "Train a sharded DLRM with TorchRec. Embedding tables are placed by TorchRec's "
+            "planner, trained with fused fbgemm kernels, evaluated with AUC/NE, and saved as "
+            "sharded torch.distributed.checkpoint directories that resume on any world size."
+        ),
+        epilog=(
+            "overrides: any config field as section.key=value in TOML syntax, e.g. "
+            "train.max_steps=200 model.num_embeddings=[100,200,...] "
+            "'sharding.tables.t_C1.sharding_types=[\"column_wise\"]'. "
+            "Presets: training/configs/{tiny,demo,criteo-kaggle}.toml."
+        ),
+    )
+    p.add_argument("--config", type=Path, help="TOML preset (default: built-in defaults)")
+    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<preset name>)")
+    p.add_argument("--data", help="Criteo TSV file or folder (same as data.path=...)")
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="'auto' (default): continue from <run-dir>/checkpoints/latest if present; "
+        "'none': start fresh; or a checkpoint directory",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return p
+
+
+def parse_args(argv: typing.Sequence[str] | None = None) -> RunArgs:
+    ns = build_parser().parse_args(argv)
+    overrides = list(ns.overrides)
+    if ns.data:
+        overrides.append(f"data.path={_toml_str(ns.data)}")
+    cfg = load_config(ns.config, overrides)
+    if ns.config is not None and "name=" not in " ".join(overrides) and cfg.name == "custom":
+        cfg.name = ns.config.stem
+    run_dir = ns.run_dir or Path("runs") / cfg.name
+    return RunArgs(config=cfg, run_dir=run_dir, resume=ns.resume, progress=not ns.no_progress)
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'

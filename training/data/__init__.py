@@ -1,0 +1,1 @@
+"""Criteo data: TSV reading (``criteo``), synthetic data (``synthetic``), binary shards (``binary``)."""

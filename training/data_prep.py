@@ -1,0 +1,93 @@
+"""Data for a training run: synthetic or Criteo TSV -> cached binary shards -> train/eval splits.
+
+Rank 0 generates and preprocesses while the others wait; its outcome (or its error) is
+broadcast, so a bad file fails every rank at once with the same one-line message instead of
+leaving the others blocked at a barrier.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from training.config import DataConfig
+from training.errors import DataError, RecsysError
+from training.features import NUM_SPARSE
+from training.loader import Arrays
+
+logger = logging.getLogger(__name__)
+
+
+def synthetic_path(cfg: DataConfig) -> Path:
+    """Synthetic TSV for this config (name encodes rows, vocab and seed, so it caches)."""
+    name = f"synthetic_r{cfg.synthetic_rows}_v{cfg.synthetic_vocab}_s{cfg.synthetic_seed}.tsv"
+    return Path(cfg.synthetic_dir) / name
+
+
+def _prepare_on_rank0(cfg: DataConfig, progress: bool) -> str:
+    from training.data.binary import ensure_binary
+    from training.data.criteo import resolve_data_paths
+    from training.data.synthetic import SyntheticSpec, generate, prob_sidecar
+
+    if cfg.path:
+        paths = resolve_data_paths(Path(cfg.path))
+    else:
+        tsv = synthetic_path(cfg)
+        if not (tsv.is_file() and prob_sidecar(tsv).is_file()):
+            logger.info("generating %d synthetic rows into %s", cfg.synthetic_rows, tsv)
+            spec = SyntheticSpec(
+                rows=cfg.synthetic_rows,
+                seed=cfg.synthetic_seed,
+                vocab_sizes=[cfg.synthetic_vocab] * NUM_SPARSE,
+            )
+            generate(spec, tsv, progress=progress)
+        paths = [tsv]
+    out_dir, _meta = ensure_binary(
+        paths,
+        Path(cfg.cache_dir),
+        on_bad=cfg.on_bad_row,
+        max_bad_rows=cfg.max_bad_rows,
+        progress=progress,
+    )
+    return str(out_dir)
+
+
+def prepare_data(
+    cfg: DataConfig, rank: int, progress: bool
+) -> tuple[Arrays, Arrays, dict[str, Any]]:
+    """Collective. Returns (train split, eval split, data description for the checkpoint)."""
+    from training.data.binary import load_binary
+
+    outcome: list[Any] = [None]
+    if rank == 0:
+        try:
+            outcome[0] = ("ok", _prepare_on_rank0(cfg, progress))
+        except RecsysError as e:
+            outcome[0] = ("error", type(e).__name__, str(e))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0][0] == "error":
+        raise DataError(outcome[0][2])
+    data = load_binary(Path(outcome[0][1]))
+    arrays = Arrays(labels=data.labels, dense=data.dense, sparse=data.sparse, prob=data.prob)
+    n = len(arrays)
+    n_eval = round(n * cfg.eval_fraction)
+    if n_eval < 1 or n - n_eval < 1:
+        raise DataError(
+            f"{n} usable rows cannot be split into train and eval with "
+            f"data.eval_fraction={cfg.eval_fraction} (each split needs at least one row)"
+        )
+    info = {
+        "source": cfg.path or "synthetic",
+        "binary": outcome[0][1],
+        "rows": n,
+        "train_rows": n - n_eval,
+        "eval_rows": n_eval,
+        "parse_report": data.meta.parse_report,
+    }
+    if rank == 0:
+        logger.info("data: %d train rows, %d eval rows from %s", n - n_eval, n_eval, info["source"])
+    return arrays.rows(0, n - n_eval), arrays.rows(n - n_eval, n), info

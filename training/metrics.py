@@ -1,0 +1,109 @@
+"""Evaluation metrics (TorchRec's AUC and NE, synced across ranks) and the metrics.jsonl log."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.metrics.auc import AUCMetric
+from torchrec.metrics.metrics_config import RecComputeMode, RecTaskInfo
+from torchrec.metrics.ne import NEMetric
+
+TASK = RecTaskInfo(
+    name="ctr", label_name="label", prediction_name="prediction", weight_name="weight"
+)
+
+
+class EvalMetrics:
+    """Lifetime AUC and NE of one evaluation pass, plus the oracle AUC when true probs are known.
+
+    Every rank updates with its own slice; ``compute()`` gathers across the process group, so
+    all ranks must call it. Padding rows carry weight 0 and do not count.
+    """
+
+    def __init__(self, batch_size: int, with_oracle: bool) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        kw: dict[str, Any] = dict(
+            world_size=world,
+            my_rank=rank,
+            batch_size=batch_size,
+            tasks=[TASK],
+            compute_mode=RecComputeMode.UNFUSED_TASKS_COMPUTATION,
+            window_size=1 << 30,
+            compute_on_all_ranks=True,
+        )
+        self._auc = AUCMetric(**kw)
+        self._ne = NEMetric(**kw)
+        self._oracle = AUCMetric(**kw) if with_oracle else None
+        self.rows = 0
+
+    def update(
+        self,
+        probs: torch.Tensor,
+        labels: torch.Tensor,
+        weights: torch.Tensor,
+        oracle_probs: torch.Tensor | None = None,
+    ) -> None:
+        """``probs``, ``labels``, ``weights``, ``oracle_probs``: float32[B]."""
+        p, y, w = {"ctr": probs}, {"ctr": labels}, {"ctr": weights}
+        self._auc.update(predictions=p, labels=y, weights=w)
+        self._ne.update(predictions=p, labels=y, weights=w)
+        if self._oracle is not None and oracle_probs is not None:
+            self._oracle.update(predictions={"ctr": oracle_probs}, labels=y, weights=w)
+        self.rows += int(weights.sum().item())
+
+    def compute(self) -> dict[str, float]:
+        out = {
+            "auc": _lifetime(self._auc.compute(), "auc"),
+            "ne": _lifetime(self._ne.compute(), "ne"),
+        }
+        if self._oracle is not None:
+            out["oracle_auc"] = _lifetime(self._oracle.compute(), "auc")
+        rows = torch.tensor([self.rows], dtype=torch.int64)
+        if dist.is_initialized():
+            dist.all_reduce(rows)
+        out["eval_rows"] = int(rows.item())
+        return out
+
+
+def _lifetime(result: dict[str, torch.Tensor], name: str) -> float:
+    # TorchRec's AUC only reports a window value; the window (2^30 rows) spans the whole pass.
+    for kind in ("lifetime", "window"):
+        key = f"{name}-ctr|{kind}_{name}"
+        if key in result:
+            return float(result[key].item())
+    raise KeyError(f"{name} missing from {sorted(result)}")
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``<run>/metrics.jsonl`` (rank 0 only)."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path = path
+        self.enabled = enabled
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records past ``step`` (work redone after a resume), like TensorBoard's purge_step."""
+        if not self.enabled or not self.path.is_file():
+            return
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+        tmp.replace(self.path)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
