@@ -28,9 +28,14 @@ $(VENV)/.installed: requirements/base.txt requirements/torchrec.txt
 	$(PY) -c "import torch, fbgemm_gpu, torchrec; print('torch', torch.__version__, 'torchrec', torchrec.__version__)"
 	touch $@
 
+TRAIN_ARGS = --config training/configs/$(PRESET).toml --run-dir $(RUN) $(if $(DATA),--data $(DATA)) $(ARGS)
+
 train: setup  ## train PRESET (tiny|demo|criteo-kaggle) with NPROC processes into RUN; DATA=<tsv file|dir> for real data
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m training.train \
-		--config training/configs/$(PRESET).toml --run-dir $(RUN) $(if $(DATA),--data $(DATA)) $(ARGS)
+	@# One process first: bad config/data/checkpoint fails here with one line, and the data is
+	@# generated and preprocessed once with a progress bar; then the process group trains.
+	$(PY) -m training.train --prepare-only $(TRAIN_ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) \
+		-m training.train $(TRAIN_ARGS)
 
 bench: setup  ## trainer vs raw DMP step vs plain PyTorch DLRM, printed as ratios
 	$(PY) -m training.bench $(ARGS)

@@ -126,7 +126,7 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate every K steps (0 = only at the end)."""
     eval_rows: int = 0
-    """Rows of the held-out split used per evaluation (0 = all)."""
+    """Rows of the held-out split used by periodic evaluations (0 = all); the final uses all."""
     checkpoint_every: int = 0
     """Save a checkpoint every K steps (0 = only at the end)."""
     keep_last: int = 3
@@ -282,9 +282,8 @@ def _parse_override(text: str) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Defaults < TOML file < overrides; validated."""
+    """Defaults < TOML file < overrides; validated. Errors name where the bad key came from."""
     raw: dict[str, Any] = {}
-    where = ""
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -293,13 +292,16 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
             raw = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: invalid TOML: {e}") from None
-        where = str(p)
+        try:
+            _build(Config, raw, "")
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}") from None
     for o in overrides:
         raw = _merge(raw, _parse_override(o))
     try:
         cfg: Config = _build(Config, raw, "")
     except ConfigError as e:
-        raise ConfigError(f"{where}: {e}" if where else str(e)) from None
+        raise ConfigError(f"command line: {e}") from None
     cfg.validate()
     return cfg
 
@@ -323,6 +325,7 @@ class RunArgs:
     run_dir: Path
     resume: str  # "auto" | "none" | a checkpoint path
     progress: bool
+    prepare_only: bool
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -350,6 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
         "'none': start fresh; or a checkpoint directory",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    p.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="check the config and the checkpoint to resume, generate/preprocess the data, "
+        "and exit (one process; `make train` runs this before torchrun)",
+    )
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     return p
 
@@ -363,7 +372,13 @@ def parse_args(argv: typing.Sequence[str] | None = None) -> RunArgs:
     if ns.config is not None and "name=" not in " ".join(overrides) and cfg.name == "custom":
         cfg.name = ns.config.stem
     run_dir = ns.run_dir or Path("runs") / cfg.name
-    return RunArgs(config=cfg, run_dir=run_dir, resume=ns.resume, progress=not ns.no_progress)
+    return RunArgs(
+        config=cfg,
+        run_dir=run_dir,
+        resume=ns.resume,
+        progress=not ns.no_progress,
+        prepare_only=ns.prepare_only,
+    )
 
 
 def _toml_str(s: str) -> str:

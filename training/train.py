@@ -158,6 +158,21 @@ def _mean_over_ranks(value: float) -> float:
     return float(t.item()) / dist.get_world_size()
 
 
+def preflight_checkpoint(args: RunArgs) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint to resume (if any) and its meta, checked against this config's model."""
+    resume_from = checkpoint.resolve(args.resume, args.run_dir / "checkpoints")
+    meta = checkpoint.read_meta(resume_from) if resume_from else None
+    if resume_from and meta:
+        checkpoint.check_compatible(resume_from, meta, config_to_dict(args.config)["model"])
+    return resume_from, meta
+
+
+def prepare(args: RunArgs) -> None:
+    """``--prepare-only``: everything that can fail on bad input, in one process, no group."""
+    preflight_checkpoint(args)
+    prepare_data(args.config.data, rank=0, progress=args.progress)
+
+
 def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[str, Any]:
     """Run (or resume) training; returns the last evaluation record."""
     cfg, run_dir = args.config, args.run_dir
@@ -166,12 +181,9 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
             f"train.batch_size = {cfg.train.batch_size} is not divisible by {world} processes"
         )
     ckpt_root = run_dir / "checkpoints"
-    resume_from = checkpoint.resolve(args.resume, ckpt_root)
-    meta = checkpoint.read_meta(resume_from) if resume_from else None
-    if resume_from and meta:
-        checkpoint.check_compatible(resume_from, meta, config_to_dict(cfg)["model"])
-
+    resume_from, meta = preflight_checkpoint(args)
     train_arrays, eval_arrays, data_info = prepare_data(cfg.data, rank, progress=args.progress)
+    # Periodic evals may use a prefix of the eval split; the final one always uses all of it.
     eval_subset = eval_arrays.rows(0, cfg.train.eval_rows) if cfg.train.eval_rows else eval_arrays
 
     trainer = build_trainer(cfg, device)
@@ -246,7 +258,7 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
         )
         last_saved = progress.step
 
-    def run_eval() -> dict[str, Any]:
+    def run_eval(final: bool) -> dict[str, Any]:
         model = pipeline.detach() if hasattr(pipeline, "detach") else trainer.model
         elapsed = time.perf_counter() - window_start
         record: dict[str, Any] = {
@@ -258,7 +270,7 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
             if window_steps
             else None,
         }
-        record.update(evaluate(model, eval_subset, cfg, rank, world))
+        record.update(evaluate(model, eval_arrays if final else eval_subset, cfg, rank, world))
         if "oracle_auc" in record:
             record["auc_vs_oracle"] = record["auc"] / record["oracle_auc"]
         metrics_log.write(record)
@@ -307,16 +319,17 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
             bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{rate:,.0f}")
         at_end = progress.step >= total
         if (cfg.train.eval_every and progress.step % cfg.train.eval_every == 0) or at_end:
-            last_eval = run_eval()
+            last_eval = run_eval(final=at_end)
             window_start, window_samples, window_loss, window_steps = time.perf_counter(), 0, 0.0, 0
         if (
             cfg.train.checkpoint_every and progress.step % cfg.train.checkpoint_every == 0
         ) or at_end:
+            t_save = time.perf_counter()
             save()
-            window_start = time.perf_counter()  # saving is not training time
+            window_start += time.perf_counter() - t_save  # saving is not training time
     bar.close()
     if not last_eval or last_eval.get("step") != progress.step:
-        last_eval = run_eval()
+        last_eval = run_eval(final=True)
     if last_saved != progress.step:
         save()
     return last_eval
@@ -350,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(rank, verbose=os.environ.get("RECSYS_VERBOSE", "") not in ("", "0"))
     try:
         args = parse_args(argv)
+        if args.prepare_only:
+            prepare(args)
+            return 0
         rank, world, device = setup_distributed()
         final = train(args, rank, world, device)
         if rank == 0:
