@@ -263,7 +263,9 @@ def load(
         for key in convert:
             table = _rowwise_table(key, table_rows)
             widths = _column_widths(path, table)
-            _load_rowwise(path, key, saved[key], flat[key], table_rows[table], widths)
+            md = saved[key]
+            assert isinstance(md, TensorStorageMetadata)
+            _load_rowwise(path, key, md, flat[key], table_rows[table], widths)
     except CheckpointError:
         raise
     except Exception as e:

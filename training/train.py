@@ -15,8 +15,9 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,7 +77,7 @@ def _embedding_optimizer(name: str) -> type[torch.optim.Optimizer]:
     }[name]
 
 
-def _dense_optimizer(name: str) -> type[torch.optim.Optimizer]:
+def _dense_optimizer(name: str) -> Callable[..., torch.optim.Optimizer]:
     return {"adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
 
 
