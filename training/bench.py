@@ -1,0 +1,439 @@
+"""Benchmark: the trainer's step vs the raw DMP step vs a plain PyTorch DLRM, in one process.
+
+``python -m training.bench`` (``make bench ARGS=...``) measures samples/s of:
+
+* **trainer**: the full training path: ``TrainStream`` reads the binary shards and builds each
+  KJT, the configured TorchRec train pipeline (``make_pipeline``) runs DMP with the embedding
+  optimizer fused into backward, and the loop does what ``train()``'s loop does per step
+  (``float(loss.item())``, the finiteness check, the loss window) and every ``log_every`` steps
+  (the all-reduced mean loss, a ``train_loss.jsonl`` record, the progress-bar rate).
+* **ceiling**: a second trainer built from the same config, stepped by hand on batches built
+  once in memory with ``make_batch``: ``zero_grad; loss = model(batch); backward; step``.
+* **plain**: 26 ``nn.EmbeddingBag(sparse=True)`` tables, the same MLPs and DLRM dot
+  interaction, ``torch.optim.Adagrad`` on the same prebuilt batches.
+
+Why not call the real ``train()``: its ``samples_per_sec`` spans a whole eval window, so it
+would include the pipeline's fill and the first steps, and every call builds a new trainer
+(seconds to minutes with Criteo-sized tables) and runs an evaluation and a checkpoint we do
+not time. Round-robin interleaving (all three methods in every round, so machine noise hits
+them alike) needs three long-lived steppers instead. The trainer stepper therefore reuses the
+real pieces (``build_trainer``, ``make_pipeline``, ``TrainStream``, ``_mean_over_ranks``,
+``MetricsLog``) and repeats only the loop body's bookkeeping; if that body changes, mirror it
+in ``TrainerStepper.step``.
+
+Shapes: ``B`` per-process batch, ``F`` = 26 sparse features, ``E`` embedding dim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.datasets.utils import Batch
+from tqdm import tqdm
+
+from training.config import Config, load_config
+from training.data_prep import prepare_data
+from training.errors import RecsysError
+from training.features import NUM_DENSE
+from training.loader import Arrays, TrainStream, make_batch
+from training.metrics import MetricsLog
+from training.train import (
+    _mean_over_ranks,
+    build_trainer,
+    configure_logging,
+    make_pipeline,
+    setup_distributed,
+)
+
+logger = logging.getLogger("training.bench")
+
+METHODS = ("trainer", "ceiling", "plain")
+DEFAULT_MAX_ROWS = 500_000
+# 26 tables of the criteo-kaggle preset capped at 500k rows: 3.1M rows x 16 x fp32 ~ 0.2 GB per
+# model copy (three copies plus optimizer state ~ 1.2 GB); init takes seconds on 2 cores.
+
+
+class TrainerStepper:
+    """One step of the real training loop: pipeline.progress + the loop's per-step bookkeeping."""
+
+    def __init__(self, cfg: Config, train_arrays: Arrays, device: torch.device, total: int):
+        self.cfg = cfg
+        self.trainer = build_trainer(cfg, device)
+        self.pipeline = make_pipeline(cfg.train.pipeline, self.trainer, device)
+        stream = TrainStream(
+            train_arrays,
+            global_batch=cfg.train.batch_size,
+            rank=0,
+            world_size=1,
+            rows_per_table=cfg.model.rows(),
+            seed=cfg.train.seed,
+            epochs=1,
+        )
+        # Enough epochs that the stream never ends inside the benchmark (the pipeline reads ahead).
+        stream.epochs = total // max(stream.steps_per_epoch, 1) + 2
+        self.batches = iter(stream)
+        self.tmp = tempfile.TemporaryDirectory(prefix="bench-")
+        self.loss_log = MetricsLog(Path(self.tmp.name) / "train_loss.jsonl", enabled=True)
+        self.bar_postfix: dict[str, str] = {}
+        self.n, self.window_start, self.window_samples, self.window_loss = (
+            0,
+            time.perf_counter(),
+            0,
+            0.0,
+        )
+
+    def step(self) -> None:
+        loss = self.pipeline.progress(self.batches)[0]
+        self.n += 1
+        self.window_samples += self.cfg.train.batch_size
+        loss_value = float(loss.item())
+        if not math.isfinite(loss_value):
+            raise RuntimeError(f"trainer loss became {loss_value} at step {self.n}")
+        self.window_loss += loss_value
+        if self.n % self.cfg.train.log_every == 0:
+            mean_loss = _mean_over_ranks(loss_value)
+            self.loss_log.write({"step": self.n, "loss": mean_loss})
+            rate = self.window_samples / max(time.perf_counter() - self.window_start, 1e-9)
+            self.bar_postfix = {"loss": f"{mean_loss:.4f}", "samples_s": f"{rate:,.0f}"}
+
+
+class CeilingStepper:
+    """The raw DMP step on prebuilt in-memory batches (no loader, no pipeline, no bookkeeping)."""
+
+    def __init__(self, cfg: Config, batches: list[Batch], device: torch.device):
+        self.trainer = build_trainer(cfg, device)
+        self.batches = batches
+        self.n = 0
+
+    def step(self) -> None:
+        batch = self.batches[self.n % len(self.batches)]
+        self.n += 1
+        model, optimizer = self.trainer.model, self.trainer.optimizer
+        optimizer.zero_grad()
+        loss, _ = model(batch)
+        loss.backward()  # the fused embedding optimizer updates the tables here
+        optimizer.step()
+
+
+def _mlp(sizes: Sequence[int], last_relu: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        layers.append(nn.Linear(a, b))
+        if last_relu or i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class PlainDLRM(nn.Module):
+    """DLRM in plain PyTorch, shaped like torchrec's ``DLRM`` (DenseArch, InteractionArch, OverArch).
+
+    ``forward(dense float32[B, 13], values[F] int64, offsets[F] int64[B]) -> logits float32[B]``.
+    """
+
+    triu: torch.Tensor  # int64[2, (F + 1) F / 2]: (row, column) of the upper triangle
+
+    def __init__(
+        self, rows: Sequence[int], dim: int, dense_arch: Sequence[int], over_arch: Sequence[int]
+    ):
+        super().__init__()
+        self.tables = nn.ModuleList(nn.EmbeddingBag(r, dim, mode="sum", sparse=True) for r in rows)
+        self.bottom = _mlp([NUM_DENSE, *dense_arch], last_relu=True)
+        f = len(rows) + 1
+        self.register_buffer("triu", torch.triu_indices(f, f, offset=1), persistent=False)
+        self.top = _mlp([dim + f * (f - 1) // 2, *over_arch], last_relu=False)
+
+    def forward(
+        self, dense: torch.Tensor, values: list[torch.Tensor], offsets: list[torch.Tensor]
+    ) -> torch.Tensor:
+        d = self.bottom(dense)  # [B, E]
+        embs = [t(v, o) for t, v, o in zip(self.tables, values, offsets, strict=True)]
+        combined = torch.stack([d, *embs], dim=1)  # [B, F + 1, E]
+        inter = torch.bmm(combined, combined.transpose(1, 2))  # [B, F + 1, F + 1]
+        flat = inter[:, self.triu[0], self.triu[1]]  # [B, (F + 1) F / 2]
+        return self.top(torch.cat([d, flat], dim=1)).squeeze(-1)
+
+
+def _plain_inputs(
+    batch: Batch,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """A torchrec Batch -> (dense, per-feature values, per-feature bag offsets, labels)."""
+    kjt = batch.sparse_features
+    per_key = kjt.to_dict()
+    values = [jt.values() for jt in per_key.values()]
+    offsets = [jt.offsets()[:-1].contiguous() for jt in per_key.values()]
+    return batch.dense_features, values, offsets, batch.labels
+
+
+class PlainStepper:
+    """Plain PyTorch DLRM; Adagrad on both the sparse tables and the MLPs (row-wise Adagrad,
+    the trainer's embedding optimizer, is not in torch, so this uses element-wise Adagrad)."""
+
+    def __init__(self, cfg: Config, batches: list[Batch]):
+        torch.manual_seed(cfg.train.seed)
+        m = cfg.model
+        self.model = PlainDLRM(m.rows(), m.embedding_dim, m.dense_arch, m.over_arch)
+        self.sparse_opt = torch.optim.Adagrad(
+            self.model.tables.parameters(), lr=cfg.optim.embedding_lr
+        )
+        dense_params = [*self.model.bottom.parameters(), *self.model.top.parameters()]
+        self.dense_opt = torch.optim.Adagrad(dense_params, lr=cfg.optim.dense_lr)
+        self.loss_fn = nn.BCEWithLogitsLoss()
+        self.inputs = [_plain_inputs(b) for b in batches]
+        self.n = 0
+
+    def step(self) -> None:
+        dense, values, offsets, labels = self.inputs[self.n % len(self.inputs)]
+        self.n += 1
+        self.sparse_opt.zero_grad()
+        self.dense_opt.zero_grad()
+        loss = self.loss_fn(self.model(dense, values, offsets), labels)
+        loss.backward()
+        self.sparse_opt.step()
+        self.dense_opt.step()
+
+
+def measure(stepper: Any, steps: int, warmup: int, desc: str, progress: bool) -> list[float]:
+    """Seconds of each of ``steps`` timed steps, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        stepper.step()
+    times = []
+    bar = tqdm(range(steps), desc=desc, unit="step", leave=False, disable=not progress)
+    for _ in bar:
+        t0 = time.perf_counter()
+        stepper.step()
+        times.append(time.perf_counter() - t0)
+        if getattr(stepper, "bar_postfix", None):
+            bar.set_postfix(stepper.bar_postfix, refresh=False)
+    return times
+
+
+def bench_config(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
+    """The preset with rows capped at ``--max-rows``, the bench batch and synthetic data."""
+    preset = load_config(args.config)
+    rows = [min(r, args.max_rows) for r in preset.model.rows()]
+    overrides = [
+        f"model.num_embeddings={json.dumps(rows)}",
+        f"train.batch_size={args.batch_size}",
+        f'train.pipeline="{args.pipeline}"',
+        f"data.synthetic_rows={args.synthetic_rows}",
+        f"data.synthetic_vocab={args.synthetic_vocab}",
+        f"data.cache_dir={json.dumps(str(args.cache_dir))}",
+        f"data.synthetic_dir={json.dumps(str(args.synthetic_dir))}",
+        'data.path=""',
+        *args.overrides,
+        *extra,
+    ]
+    return load_config(args.config, overrides)
+
+
+def _summary(times_per_round: list[list[float]], batch: int) -> dict[str, Any]:
+    rates = [batch * len(t) / sum(t) for t in times_per_round]
+    all_times = [x for t in times_per_round for x in t]
+    return {
+        "samples_per_sec": statistics.median(rates),
+        "samples_per_sec_rounds": rates,
+        "p50_step_ms": 1000 * statistics.median(all_times),
+        "steps": len(all_times),
+    }
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the steppers, measure them round-robin, return figures and ratios."""
+    torch.set_num_threads(args.threads)
+    _, world, device = setup_distributed()
+    if world != 1:
+        raise SystemExit("training.bench runs in one process (no torchrun)")
+    cfg = bench_config(args)
+    train_arrays, _, data_info = prepare_data(cfg.data, rank=0, progress=args.progress)
+    batch = cfg.train.batch_size
+    if len(train_arrays) < batch:
+        raise SystemExit(f"{len(train_arrays)} training rows cannot fill a batch of {batch}")
+    rng = np.random.default_rng(cfg.train.seed)
+    rows_per_table = np.asarray(cfg.model.rows(), dtype=np.int64)
+    prebuilt = [
+        make_batch(
+            train_arrays,
+            np.sort(rng.choice(len(train_arrays), batch, replace=False)),
+            rows_per_table,
+        ).batch
+        for _ in range(args.prebuilt)
+    ]
+    per_method = args.repeats * (args.warmup + args.steps) + 4
+    t0 = time.perf_counter()
+    steppers: dict[str, Any] = {
+        "trainer": TrainerStepper(cfg, train_arrays, device, per_method),
+        "ceiling": CeilingStepper(cfg, prebuilt, device),
+        "plain": PlainStepper(cfg, prebuilt),
+    }
+    if args.compile_dense:
+        ccfg = bench_config(args, ["train.compile_dense=true"])
+        steppers["trainer_compiled"] = TrainerStepper(ccfg, train_arrays, device, per_method)
+    logger.info("built %d models in %.1f s", len(steppers), time.perf_counter() - t0)
+
+    times: dict[str, list[list[float]]] = {name: [] for name in steppers}
+    for r in range(args.repeats):
+        for name, stepper in steppers.items():
+            desc = f"round {r + 1}/{args.repeats} {name}"
+            times[name].append(measure(stepper, args.steps, args.warmup, desc, args.progress))
+    methods = {name: _summary(t, batch) for name, t in times.items()}
+    rate = {name: m["samples_per_sec"] for name, m in methods.items()}
+    ratios = {
+        "trainer/ceiling": rate["trainer"] / rate["ceiling"],
+        "trainer/plain": rate["trainer"] / rate["plain"],
+        "ceiling/plain": rate["ceiling"] / rate["plain"],
+    }
+    if "trainer_compiled" in rate:
+        ratios["trainer_compiled/ceiling"] = rate["trainer_compiled"] / rate["ceiling"]
+        ratios["trainer_compiled/trainer"] = rate["trainer_compiled"] / rate["trainer"]
+    return {
+        "methods": methods,
+        "ratios": ratios,
+        "setup": {
+            "config": str(args.config),
+            "batch_size": batch,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "threads": torch.get_num_threads(),
+            "pipeline": cfg.train.pipeline,
+            "num_embeddings": cfg.model.rows(),
+            "embedding_dim": cfg.model.embedding_dim,
+            "dense_arch": cfg.model.dense_arch,
+            "over_arch": cfg.model.over_arch,
+            "train_rows": len(train_arrays),
+            "data": data_info["binary"],
+            "sharding": sorted(
+                {
+                    (p["sharding_type"], p["compute_kernel"])
+                    for p in steppers["ceiling"].trainer.plan
+                }
+            ),
+            "torch": torch.__version__,
+        },
+    }
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The figures as a text table plus the two target lines."""
+    methods, ratios = result["methods"], result["ratios"]
+    ceiling = methods["ceiling"]["samples_per_sec"]
+    head = f"{'method':<17} {'samples/s':>11} {'p50 step ms':>12} {'vs ceiling':>11}"
+    lines = [head, "-" * len(head)]
+    for name, m in methods.items():
+        lines.append(
+            f"{name:<17} {m['samples_per_sec']:>11,.0f} {m['p50_step_ms']:>12.2f} "
+            f"{m['samples_per_sec'] / ceiling:>11.2f}"
+        )
+    lines.append("")
+    lines.append(f"trainer / ceiling = {ratios['trainer/ceiling']:.2f} (target >= 0.90)")
+    lines.append(f"trainer / plain PyTorch = {ratios['trainer/plain']:.2f} (target > 1)")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m training.bench",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=(
+            "Samples/s of three training steps, measured side by side in one process "
+            "(world size 1, gloo on CPU), round-robin over --repeats rounds (median reported): "
+            "(1) trainer: batches read from the binary shards by TrainStream (KJT building "
+            "included) through the configured TorchRec train pipeline, DMP with the fused "
+            "embedding optimizer, loss.item() and the periodic logging of the real loop; "
+            "(2) ceiling: the raw DMP step (zero_grad, forward, backward, step) of a second "
+            "trainer on batches prebuilt in memory; (3) plain: 26 nn.EmbeddingBag(sparse=True) "
+            "tables with the same MLPs and dot interaction, torch.optim.Adagrad, on the same "
+            "prebuilt batches. Data is synthetic (generated and cached once)."
+        ),
+        epilog="overrides: extra config fields as section.key=value, as for training.train.",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=Path("training/configs/criteo-kaggle.toml"),
+        help="preset giving the table rows, embedding dim, MLPs and learning rates",
+    )
+    p.add_argument(
+        "--max-rows",
+        type=int,
+        default=DEFAULT_MAX_ROWS,
+        help="cap on each table's rows (criteo-kaggle at 500k: ~0.2 GB per model copy)",
+    )
+    p.add_argument("--batch-size", type=int, default=2048, help="per-process batch")
+    p.add_argument("--steps", type=int, default=50, help="timed steps per method per round")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps per method per round")
+    p.add_argument("--repeats", type=int, default=3, help="rounds; each runs all methods once")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument(
+        "--pipeline",
+        choices=["sparse_dist", "base"],
+        default="sparse_dist",
+        help="train pipeline of the trainer row",
+    )
+    p.add_argument(
+        "--prebuilt",
+        type=int,
+        default=32,
+        help="batches built once in memory for the ceiling and plain rows",
+    )
+    p.add_argument("--synthetic-rows", type=int, default=300_000, help="rows of synthetic data")
+    p.add_argument(
+        "--synthetic-vocab",
+        type=int,
+        default=100_000,
+        help="distinct ids per synthetic feature (hashed into the capped tables)",
+    )
+    p.add_argument("--cache-dir", type=Path, default=Path("data/cache"), help="binary shard cache")
+    p.add_argument(
+        "--synthetic-dir",
+        type=Path,
+        default=Path("data/synthetic"),
+        help="where the synthetic TSV is generated",
+    )
+    p.add_argument(
+        "--compile-dense",
+        action="store_true",
+        help="add a 4th row: the trainer with train.compile_dense=true",
+    )
+    p.add_argument("--json", type=Path, help="also write the figures to this file")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    configure_logging(0, verbose=os.environ.get("RECSYS_VERBOSE", "") not in ("", "0"))
+    args = build_parser().parse_args(argv)
+    try:
+        result = run_bench(args)
+    except RecsysError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    print(format_report(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
