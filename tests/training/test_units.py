@@ -221,7 +221,7 @@ def test_prune_keeps_the_newest_and_removes_partials(tmp_path: Path) -> None:
 def test_compatibility_check_names_the_field(tmp_path: Path) -> None:
     meta = {"config": {"model": {"embedding_dim": 8, "num_embeddings": 128}}}
     checkpoint.check_compatible(tmp_path, meta, {"embedding_dim": 8, "num_embeddings": 128})
-    with pytest.raises(CheckpointError, match="model.num_embeddings=128 but this config has 256"):
+    with pytest.raises(CheckpointError, match=r"model\.num_embeddings=128 but this config has 256"):
         checkpoint.check_compatible(tmp_path, meta, {"embedding_dim": 8, "num_embeddings": 256})
 
 
