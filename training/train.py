@@ -333,6 +333,10 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
         last_eval = run_eval(final=True)
     if last_saved != progress.step:
         save()
+    if rank == 0:
+        from training.plot import plot_run
+
+        logger.info("learning curves: %s", plot_run(run_dir))
     return last_eval
 
 

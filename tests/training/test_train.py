@@ -169,3 +169,20 @@ def test_trains_on_criteo_file_with_edge_cases(tmp_path: Path, data_dirs: list[s
     report = meta["data"]["parse_report"]
     assert report["rows_ok"] == 9 and report["rows_bad"] == 1
     assert "criteo_edge_cases.tsv:" in proc.stderr  # the skipped row is named with file:line
+
+
+def test_dcn_interaction_trains_on_one_process(tmp_path: Path, data_dirs: list[str]) -> None:
+    proc = run_train(
+        [
+            *TINY,
+            "--run-dir",
+            str(tmp_path),
+            *data_dirs,
+            'model.arch="dlrm_dcn"',
+            "train.max_steps=30",
+        ],
+        nproc=0,
+    )
+    final = json.loads(proc.stdout.strip().splitlines()[-1])["final"]
+    assert final["step"] == 30 and 0.5 < final["auc"] <= 1.0
+    assert (tmp_path / "curves.png").stat().st_size > 10_000

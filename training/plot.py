@@ -1,0 +1,67 @@
+"""Plot a run's learning curves: ``python -m training.plot runs/demo`` -> ``runs/demo/curves.png``.
+
+Left: training loss per logged step. Right: eval AUC against the oracle AUC (the Bayes limit,
+synthetic data only) and NE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from training.metrics import read_metrics
+
+
+def plot_run(run_dir: Path, out: Path | None = None) -> Path:
+    """Write the PNG and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    losses = (
+        read_metrics(run_dir / "train_loss.jsonl")
+        if (run_dir / "train_loss.jsonl").is_file()
+        else []
+    )
+    evals = read_metrics(run_dir / "metrics.jsonl")
+    fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot([r["step"] for r in losses], [r["loss"] for r in losses], lw=1)
+    ax_loss.set(title="training loss (BCE)", xlabel="step", ylabel="loss")
+    ax_loss.grid(alpha=0.3)
+    steps = [r["step"] for r in evals]
+    ax_auc.plot(steps, [r["auc"] for r in evals], "o-", label="model AUC")
+    if all("oracle_auc" in r for r in evals) and evals:
+        ax_auc.plot(steps, [r["oracle_auc"] for r in evals], "--", label="oracle AUC (Bayes limit)")
+    ax_auc.set(title="held-out evaluation", xlabel="step", ylabel="AUC")
+    ax_ne = ax_auc.twinx()
+    ax_ne.plot(steps, [r["ne"] for r in evals], "s:", color="gray", label="NE")
+    ax_ne.set_ylabel("normalized entropy")
+    lines = ax_auc.get_legend_handles_labels()
+    ne_lines = ax_ne.get_legend_handles_labels()
+    ax_auc.legend(lines[0] + ne_lines[0], lines[1] + ne_lines[1], loc="lower right")
+    ax_auc.grid(alpha=0.3)
+    fig.suptitle(f"{run_dir}")
+    fig.tight_layout()
+    out = out or run_dir / "curves.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.plot", description=__doc__)
+    p.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
+    p.add_argument("--out", type=Path, help="PNG path (default: <run_dir>/curves.png)")
+    ns = p.parse_args(argv)
+    if not (ns.run_dir / "metrics.jsonl").is_file():
+        print(f"error: {ns.run_dir / 'metrics.jsonl'} not found: train first", file=sys.stderr)
+        return 2
+    print(plot_run(ns.run_dir, ns.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
