@@ -17,9 +17,8 @@ would include the pipeline's fill and the first steps, and every call builds a n
 (seconds to minutes with Criteo-sized tables) and runs an evaluation and a checkpoint we do
 not time. Round-robin interleaving (all three methods in every round, so machine noise hits
 them alike) needs three long-lived steppers instead. The trainer stepper therefore reuses the
-real pieces (``build_trainer``, ``make_pipeline``, ``TrainStream``, ``_mean_over_ranks``,
-``MetricsLog``) and repeats only the loop body's bookkeeping; if that body changes, mirror it
-in ``TrainerStepper.step``.
+real pieces (``build_trainer``, ``make_pipeline``, ``TrainStream``) and calls the very
+``TrainLoop.step`` that ``train()`` runs, bookkeeping included.
 
 Shapes: ``B`` per-process batch, ``F`` = 26 sparse features, ``E`` embedding dim.
 """
@@ -30,7 +29,6 @@ import argparse
 import itertools
 import json
 import logging
-import math
 import os
 import statistics
 import sys
@@ -47,14 +45,15 @@ from torch import nn
 from torchrec.datasets.utils import Batch
 from tqdm import tqdm
 
+from training.checkpoint import Progress
 from training.config import Config, load_config
 from training.data_prep import prepare_data
-from training.errors import RecsysError
+from training.errors import ConfigError, DataError, RecsysError
 from training.features import NUM_DENSE
 from training.loader import Arrays, TrainStream, make_batch
+from training.loop import TrainLoop
 from training.metrics import MetricsLog
 from training.train import (
-    _mean_over_ranks,
     build_trainer,
     configure_logging,
     make_pipeline,
@@ -64,16 +63,16 @@ from training.train import (
 logger = logging.getLogger("training.bench")
 
 METHODS = ("trainer", "ceiling", "plain")
+NOISY_SPREAD = 0.15  # warn when a method's rounds differ by more than this fraction
 DEFAULT_MAX_ROWS = 500_000
 # 26 tables of the criteo-kaggle preset capped at 500k rows: 3.1M rows x 16 x fp32 ~ 0.2 GB per
 # model copy (three copies plus optimizer state ~ 1.2 GB); init takes seconds on 2 cores.
 
 
 class TrainerStepper:
-    """One step of the real training loop: pipeline.progress + the loop's per-step bookkeeping."""
+    """One step of the real training loop: ``TrainLoop.step`` (pipeline + bookkeeping)."""
 
     def __init__(self, cfg: Config, train_arrays: Arrays, device: torch.device, total: int):
-        self.cfg = cfg
         self.trainer = build_trainer(cfg, device)
         self.pipeline = make_pipeline(cfg.train.pipeline, self.trainer, device)
         stream = TrainStream(
@@ -87,30 +86,21 @@ class TrainerStepper:
         )
         # Enough epochs that the stream never ends inside the benchmark (the pipeline reads ahead).
         stream.epochs = total // max(stream.steps_per_epoch, 1) + 2
-        self.batches = iter(stream)
         self.tmp = tempfile.TemporaryDirectory(prefix="bench-")
-        self.loss_log = MetricsLog(Path(self.tmp.name) / "train_loss.jsonl", enabled=True)
-        self.bar_postfix: dict[str, str] = {}
-        self.n, self.window_start, self.window_samples, self.window_loss = (
-            0,
-            time.perf_counter(),
-            0,
-            0.0,
+        self.loop = TrainLoop(
+            self.pipeline,
+            iter(stream),
+            Progress(),
+            batch_size=cfg.train.batch_size,
+            train_rows=len(train_arrays),
+            total=total,
+            log_every=cfg.train.log_every,
+            loss_log=MetricsLog(Path(self.tmp.name) / "train_loss.jsonl", enabled=True),
         )
 
     def step(self) -> None:
-        loss = self.pipeline.progress(self.batches)[0]
-        self.n += 1
-        self.window_samples += self.cfg.train.batch_size
-        loss_value = float(loss.item())
-        if not math.isfinite(loss_value):
-            raise RuntimeError(f"trainer loss became {loss_value} at step {self.n}")
-        self.window_loss += loss_value
-        if self.n % self.cfg.train.log_every == 0:
-            mean_loss = _mean_over_ranks(loss_value)
-            self.loss_log.write({"step": self.n, "loss": mean_loss})
-            rate = self.window_samples / max(time.perf_counter() - self.window_start, 1e-9)
-            self.bar_postfix = {"loss": f"{mean_loss:.4f}", "samples_s": f"{rate:,.0f}"}
+        if not self.loop.step():
+            raise RuntimeError("the benchmark's training stream ran out")
 
 
 class CeilingStepper:
@@ -250,6 +240,7 @@ def _summary(times_per_round: list[list[float]], batch: int) -> dict[str, Any]:
         "samples_per_sec_rounds": rates,
         "p50_step_ms": 1000 * statistics.median(all_times),
         "steps": len(all_times),
+        "step_ms_rounds": [[round(1000 * x, 2) for x in t] for t in times_per_round],
     }
 
 
@@ -258,12 +249,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     _, world, device = setup_distributed()
     if world != 1:
-        raise SystemExit("training.bench runs in one process (no torchrun)")
+        raise ConfigError(
+            f"training.bench runs in one process, not {world}: run it without torchrun"
+        )
     cfg = bench_config(args)
     train_arrays, _, data_info = prepare_data(cfg.data, rank=0, progress=args.progress)
     batch = cfg.train.batch_size
     if len(train_arrays) < batch:
-        raise SystemExit(f"{len(train_arrays)} training rows cannot fill a batch of {batch}")
+        raise DataError(f"{len(train_arrays)} training rows cannot fill one batch of {batch}")
     rng = np.random.default_rng(cfg.train.seed)
     rows_per_table = np.asarray(cfg.model.rows(), dtype=np.int64)
     prebuilt = [
@@ -325,6 +318,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 }
             ),
             "torch": torch.__version__,
+            "cpus": os.cpu_count(),
         },
     }
 
@@ -343,6 +337,20 @@ def format_report(result: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"trainer / ceiling = {ratios['trainer/ceiling']:.2f} (target >= 0.90)")
     lines.append(f"trainer / plain PyTorch = {ratios['trainer/plain']:.2f} (target > 1)")
+    if "trainer_compiled/trainer" in ratios:
+        lines.append(f"trainer_compiled / trainer = {ratios['trainer_compiled/trainer']:.2f}")
+    spread = {
+        name: (max(r) - min(r)) / statistics.median(r)
+        for name, m in methods.items()
+        if len(r := m["samples_per_sec_rounds"]) > 1
+    }
+    noisy = {name: v for name, v in spread.items() if v > NOISY_SPREAD}
+    if noisy:
+        worst = ", ".join(f"{name} {v:.0%}" for name, v in noisy.items())
+        lines.append(
+            f"warning: rounds disagree (max-min over median: {worst}); other processes were "
+            "probably competing for the cores: rerun on a quiet machine or with more --repeats"
+        )
     return "\n".join(lines)
 
 

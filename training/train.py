@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import sys
@@ -31,6 +30,7 @@ from training.data_prep import prepare_data
 from training.errors import DataError, RecsysError
 from training.features import SPARSE_NAMES, table_name
 from training.loader import Arrays, TrainStream, eval_batches
+from training.loop import TrainLoop, mean_over_ranks
 from training.metrics import EvalMetrics, MetricsLog
 from training.model import build_train_model
 from training.sharding import format_plan, make_plan, plan_summary, sharders
@@ -153,12 +153,6 @@ def evaluate(
     return metrics.compute()
 
 
-def _mean_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t.item()) / dist.get_world_size()
-
-
 def preflight_checkpoint(args: RunArgs) -> tuple[Path | None, dict[str, Any] | None]:
     """The checkpoint to resume (if any) and its meta, checked against this config's model."""
     resume_from = checkpoint.resolve(args.resume, args.run_dir / "checkpoints")
@@ -261,29 +255,24 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
 
     def run_eval(final: bool) -> dict[str, Any]:
         model = pipeline.detach() if hasattr(pipeline, "detach") else trainer.model
-        elapsed = time.perf_counter() - window_start
+        w = loop.window
         record: dict[str, Any] = {
             "step": progress.step,
             "epoch": progress.epoch,
             "samples_seen": progress.samples_seen,
-            "samples_per_sec": round(window_samples / elapsed, 1) if window_samples else None,
-            "train_loss": _mean_over_ranks(window_loss / max(window_steps, 1))
-            if window_steps
-            else None,
+            "samples_per_sec": round(w.samples_per_sec() or 0.0, 1) or None,
+            "train_loss": mean_over_ranks(w.loss_sum / w.steps) if w.steps else None,
         }
         record.update(evaluate(model, eval_arrays if final else eval_subset, cfg, rank, world))
         if "oracle_auc" in record:
             record["auc_vs_oracle"] = record["auc"] / record["oracle_auc"]
         metrics_log.write(record)
         if rank == 0:
-            logger.info(
-                "eval %s",
-                {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()},
-            )
+            rounded = {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}
+            logger.info("eval %s", rounded)
         return record
 
     pipeline = make_pipeline(cfg.train.pipeline, trainer, device)
-    batches = iter(stream)
     last_eval: dict[str, Any] = {}
     bar = tqdm(
         total=total,
@@ -293,41 +282,27 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
         dynamic_ncols=True,
         desc="train",
     )
-    window_start, window_samples, window_loss, window_steps = time.perf_counter(), 0, 0.0, 0
-    while progress.step < total:
-        try:
-            loss = pipeline.progress(batches)[0]
-        except StopIteration:
-            break
-        progress.step += 1
-        progress.samples_seen += cfg.train.batch_size
-        progress.rows_in_epoch += cfg.train.batch_size
-        if progress.rows_in_epoch + cfg.train.batch_size > len(train_arrays):
-            progress.epoch, progress.rows_in_epoch = progress.epoch + 1, 0
-        window_samples += cfg.train.batch_size
-        loss_value = float(loss.item())
-        if not math.isfinite(loss_value):
-            raise DataError(
-                f"training loss became {loss_value} at step {progress.step}; lower the learning rates"
-            )
-        window_loss += loss_value
-        window_steps += 1
-        bar.update(1)
-        if progress.step % cfg.train.log_every == 0 or progress.step == total:
-            mean_loss = _mean_over_ranks(loss_value)
-            loss_log.write({"step": progress.step, "loss": mean_loss})
-            rate = window_samples / max(time.perf_counter() - window_start, 1e-9)
-            bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{rate:,.0f}")
+    loop = TrainLoop(
+        pipeline,
+        iter(stream),
+        progress,
+        batch_size=cfg.train.batch_size,
+        train_rows=len(train_arrays),
+        total=total,
+        log_every=cfg.train.log_every,
+        loss_log=loss_log,
+        bar=bar,
+    )
+    t = cfg.train
+    while progress.step < total and loop.step():
         at_end = progress.step >= total
-        if (cfg.train.eval_every and progress.step % cfg.train.eval_every == 0) or at_end:
+        if (t.eval_every and progress.step % t.eval_every == 0) or at_end:
             last_eval = run_eval(final=at_end)
-            window_start, window_samples, window_loss, window_steps = time.perf_counter(), 0, 0.0, 0
-        if (
-            cfg.train.checkpoint_every and progress.step % cfg.train.checkpoint_every == 0
-        ) or at_end:
+            loop.window.reset()
+        if (t.checkpoint_every and progress.step % t.checkpoint_every == 0) or at_end:
             t_save = time.perf_counter()
             save()
-            window_start += time.perf_counter() - t_save  # saving is not training time
+            loop.window.exclude(time.perf_counter() - t_save)
     bar.close()
     if not last_eval or last_eval.get("step") != progress.step:
         last_eval = run_eval(final=True)
