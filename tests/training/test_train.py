@@ -38,6 +38,13 @@ def _plan(ckpt: Path) -> dict[str, dict]:
     return {r["table"]: r for r in json.loads((ckpt / "plan.json").read_text())}
 
 
+def _resume_on_one_rank(src: Path, run: Path, data_dirs: list[str], max_steps: int) -> Path:
+    """1 process, PLAN_B, resuming ``src`` into a new run directory, up to ``max_steps``."""
+    args = ["--run-dir", str(run), "--resume", str(src), *data_dirs, *PLAN_B]
+    run_train([*TINY, *args, f"train.max_steps={max_steps}"], nproc=1)
+    return run
+
+
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory: pytest.TempPathFactory, data_dirs: list[str]) -> Path:
     """2 ranks, column-wise + table-wise, 60 steps, checkpoints at 30 and 60."""
@@ -68,21 +75,8 @@ def test_resume_on_one_rank_with_another_plan_restores_state(
     run_a: Path, tmp_path: Path, data_dirs: list[str]
 ) -> None:
     src = run_a / "checkpoints" / "step_00000030"
-    run_b = tmp_path / "b"
     # Zero further steps: the resumed state is saved as loaded, under the new plan.
-    run_train(
-        [
-            *TINY,
-            "--run-dir",
-            str(run_b),
-            "--resume",
-            str(src),
-            *data_dirs,
-            *PLAN_B,
-            "train.max_steps=30",
-        ],
-        nproc=1,
-    )
+    run_b = _resume_on_one_rank(src, tmp_path / "b", data_dirs, max_steps=30)
     dst = run_b / "checkpoints" / "step_00000030"
     assert _plan(dst)["t_C1"]["sharding_type"] == "table_wise"
     saved, loaded = read_tensors(src), read_tensors(dst)
@@ -109,20 +103,7 @@ def test_resumed_loss_continues_where_it_was(
     run_a: Path, tmp_path: Path, data_dirs: list[str]
 ) -> None:
     src = run_a / "checkpoints" / "step_00000030"
-    run_c = tmp_path / "c"
-    run_train(
-        [
-            *TINY,
-            "--run-dir",
-            str(run_c),
-            "--resume",
-            str(src),
-            *data_dirs,
-            *PLAN_B,
-            "train.max_steps=60",
-        ],
-        nproc=1,
-    )
+    run_c = _resume_on_one_rank(src, tmp_path / "c", data_dirs, max_steps=60)
     a, c = _losses(run_a), _losses(run_c)
     assert sorted(c) == [40, 50, 60]  # the step counter continued from 30
     for step in (40, 50, 60):
