@@ -13,8 +13,11 @@ NPROC ?= 2
 DATA ?=
 ARGS ?=
 PYTEST_ARGS ?=
+QUANT ?= int8
+NAME ?=
+VERSION ?=
 
-.PHONY: setup train bench test lint fmt clean help
+.PHONY: setup train export bench test lint fmt clean help
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
@@ -36,6 +39,10 @@ train: setup  ## train PRESET (tiny|demo|criteo-kaggle) with NPROC processes int
 	$(PY) -m training.train --prepare-only $(TRAIN_ARGS)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) \
 		-m training.train $(TRAIN_ARGS)
+
+export: setup  ## export RUN's latest checkpoint: TorchScript fp32 + QUANT (int8|fp16|none), parity, model_store/NAME-VERSION.mar
+	$(PY) -m training.export --run-dir $(RUN) --quant $(QUANT) $(if $(NAME),--name $(NAME)) \
+		$(if $(VERSION),--version $(VERSION)) $(EXPORT_ARGS)
 
 bench: setup  ## trainer vs raw DMP step vs plain PyTorch DLRM, printed as ratios
 	$(PY) -m training.bench $(ARGS)

@@ -55,3 +55,38 @@ def data_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """Overrides that put synthetic data and binary caches in one session-wide temp folder."""
     base = tmp_path_factory.mktemp("data")
     return [f'data.cache_dir="{base / "cache"}"', f'data.synthetic_dir="{base / "synthetic"}"']
+
+
+# A tiny model trained on 2 ranks (C1 column-wise) and exported: shared by export and serving tests.
+EXPORT_TINY = ["--config", "training/configs/tiny.toml", "--no-progress"]
+SHARDED = [
+    'sharding.tables.t_C1.sharding_types=["column_wise"]',
+    "sharding.tables.t_C1.min_partition=4",
+    'sharding.tables.t_C2.sharding_types=["table_wise"]',
+    "train.max_steps=40",
+]
+
+
+def run_export(args: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    """``python -m training.export args`` in a subprocess."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "training.export", "--no-progress", *args],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if check and proc.returncode != 0:
+        raise AssertionError(f"export exited {proc.returncode}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory: pytest.TempPathFactory, data_dirs: list[str]) -> Path:
+    run = tmp_path_factory.mktemp("exp_run")
+    run_train([*EXPORT_TINY, "--run-dir", str(run), *data_dirs, *SHARDED], nproc=2)
+    return run
+
+
+@pytest.fixture(scope="session")
+def exported(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    store = tmp_path_factory.mktemp("store")
+    proc = run_export(["--run-dir", str(trained), "--model-store", str(store), "--version", "1.0"])
+    return trained / "export", store, proc.stdout

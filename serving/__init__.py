@@ -1,0 +1,1 @@
+"""Serving stage: TorchServe handler and (later) the gRPC gateway. Never imports training/."""

@@ -1,0 +1,86 @@
+"""Compact binary request/response bodies between the gateway and the TorchServe handler.
+
+Request (little-endian), ``RSB1``::
+
+    magic b"RSB1" | uint32 B | uint32 D | uint32 F | uint32 N
+    float32[B*D] dense (row-major) | int32[F*B] lengths (feature-major) | int64[N] ids
+
+Response: ``float32[B]`` probabilities. Decoding is zero-copy (``torch.frombuffer``) and
+checks every size against the header, so a truncated or inconsistent body is named precisely
+instead of crashing a worker. No torch-free path is needed: both ends run torch.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+MAGIC = b"RSB1"
+HEADER = struct.Struct("<4sIIII")
+
+
+class CodecError(ValueError):
+    """A request body that does not decode; the message says what is wrong."""
+
+
+def encode_request(dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> bytes:
+    """``dense f32[B,D]``, ``values i64[N]``, ``lengths i32[F,B]`` -> bytes."""
+    b, d = dense.shape
+    f = lengths.shape[0]
+    header = HEADER.pack(MAGIC, b, d, f, values.numel())
+    return b"".join(
+        [
+            header,
+            dense.to(torch.float32).contiguous().numpy().tobytes(),
+            lengths.to(torch.int32).contiguous().numpy().tobytes(),
+            values.to(torch.int64).contiguous().numpy().tobytes(),
+        ]
+    )
+
+
+def decode_request(
+    body: bytes | bytearray, dense_count: int, sparse_count: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bytes -> ``(dense f32[B,D], values i64[N], lengths i32[F,B])``, checked against the schema."""
+    if len(body) < HEADER.size:
+        raise CodecError(f"body of {len(body)} bytes is shorter than the {HEADER.size}-byte header")
+    magic, b, d, f, n = HEADER.unpack_from(body)
+    if magic != MAGIC:
+        raise CodecError(f"bad magic {magic!r} (expected {MAGIC!r})")
+    if d != dense_count or f != sparse_count:
+        raise CodecError(
+            f"body has {d} dense and {f} sparse features; the model takes {dense_count} and {sparse_count}"
+        )
+    if b == 0:
+        raise CodecError("empty request: 0 examples")
+    sizes = (4 * b * d, 4 * f * b, 8 * n)
+    expected = HEADER.size + sum(sizes)
+    if len(body) != expected:
+        raise CodecError(f"body is {len(body)} bytes; its header (B={b}, N={n}) needs {expected}")
+    buf = memoryview(body)
+    off = HEADER.size
+    dense = torch.frombuffer(buf, dtype=torch.float32, count=b * d, offset=off).view(b, d)
+    off += sizes[0]
+    lengths = torch.frombuffer(buf, dtype=torch.int32, count=f * b, offset=off).view(f, b)
+    off += sizes[1]
+    values = (
+        torch.frombuffer(buf, dtype=torch.int64, count=n, offset=off)
+        if n
+        else torch.empty(0, dtype=torch.int64)
+    )
+    if bool((lengths < 0).any()):
+        raise CodecError("negative length")
+    if int(lengths.sum()) != n:
+        raise CodecError(f"lengths sum to {int(lengths.sum())} but the body has {n} ids")
+    return dense, values, lengths
+
+
+def encode_response(probs: torch.Tensor) -> bytes:
+    return probs.to(torch.float32).contiguous().numpy().tobytes()
+
+
+def decode_response(body: bytes) -> torch.Tensor:
+    if len(body) % 4:
+        raise CodecError(f"response of {len(body)} bytes is not a float32 array")
+    return torch.frombuffer(bytearray(body), dtype=torch.float32)

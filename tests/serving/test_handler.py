@@ -1,0 +1,110 @@
+"""The TorchServe handler's stages, in process, on a real exported artifact.
+
+(The end-to-end test with a running TorchServe and the gateway belongs to the serving stage.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from serving.codec import (
+    CodecError,
+    decode_request,
+    decode_response,
+    encode_request,
+    encode_response,
+)
+from serving.handler import ScoringModel, choose_device, cpu_threads
+
+
+def _sample(export: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
+    s = np.load(export / "sample.npz")
+    return (torch.from_numpy(s["dense"]), torch.from_numpy(s["values"]),
+            torch.from_numpy(s["lengths"]), s["probs_int8"])  # fmt: skip
+
+
+def _slice(dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, lo: int, hi: int):
+    by_feature = torch.split(values, lengths.sum(dim=1).tolist())
+    vals = torch.cat(
+        [f[ln[:lo].sum() : ln[:hi].sum()] for f, ln in zip(by_feature, lengths, strict=True)]
+    )
+    return dense[lo:hi].contiguous(), vals, lengths[:, lo:hi].contiguous()
+
+
+def test_codec_round_trip() -> None:
+    dense = torch.rand(3, 13)
+    lengths = torch.tensor([[1, 0, 2]] * 26, dtype=torch.int32)
+    values = torch.arange(78, dtype=torch.int64) * 7919
+    d, v, ln = decode_request(encode_request(dense, values, lengths), 13, 26)
+    assert torch.equal(d, dense) and torch.equal(v, values) and torch.equal(ln, lengths)
+    p = torch.rand(3)
+    assert torch.equal(decode_response(encode_response(p)), p)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda b: b[:10], "shorter than"),
+        (lambda b: b"XXXX" + b[4:], "bad magic"),
+        (lambda b: b[:-8], "needs"),
+        (lambda b: b + b"\0", "needs"),
+    ],
+)
+def test_codec_names_what_is_wrong(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    body = encode_request(torch.rand(2, 13), torch.arange(52), torch.ones(26, 2, dtype=torch.int32))
+    with pytest.raises(CodecError, match=message):
+        decode_request(mutate(body), 13, 26)
+
+
+def test_codec_checks_schema_counts_and_lengths() -> None:
+    with pytest.raises(CodecError, match="the model takes 13 and 26"):
+        decode_request(
+            encode_request(
+                torch.rand(2, 12), torch.arange(52), torch.ones(26, 2, dtype=torch.int32)
+            ),
+            13,
+            26,
+        )
+    lengths = torch.ones(26, 2, dtype=torch.int32)
+    lengths[0, 0] = 2  # says 53 ids, body carries 52
+    body = bytearray(encode_request(torch.rand(2, 13), torch.arange(53), lengths))
+    with pytest.raises(CodecError, match="needs"):
+        decode_request(bytes(body[:-8]), 13, 26)
+    with pytest.raises(CodecError, match="0 examples"):
+        decode_request(
+            encode_request(
+                torch.rand(0, 13), torch.arange(0), torch.ones(26, 0, dtype=torch.int32)
+            ),
+            13,
+            26,
+        )
+
+
+def test_device_and_threads_choice() -> None:
+    assert choose_device(0, cuda_available=True) == torch.device("cuda:0")
+    assert choose_device(0, cuda_available=False) == torch.device("cpu")
+    assert choose_device(None, cuda_available=True) == torch.device("cpu")
+    assert cpu_threads({}, cores=8, workers=2) == 4
+    assert cpu_threads({"RECSYS_THREADS": "3"}, cores=8, workers=2) == 3
+    assert cpu_threads({}, cores=2, workers=4) == 1
+
+
+@pytest.mark.slow
+def test_batched_requests_of_different_sizes_score_like_separate_ones(
+    exported: tuple[Path, Path, str],
+) -> None:
+    export, _, _ = exported
+    model = ScoringModel(export, "model_int8.pt", torch.device("cpu"))
+    dense, values, lengths, expected = _sample(export)
+    cuts = [(0, 1), (1, 8), (8, 108), (108, 600)]
+    requests = [
+        model.decode(encode_request(*_slice(dense, values, lengths, lo, hi))) for lo, hi in cuts
+    ]
+    outs = model.forward(requests)
+    for (lo, hi), out in zip(cuts, outs, strict=True):
+        assert out.shape == (hi - lo,)
+        assert np.allclose(out.numpy(), expected[lo:hi], atol=1e-6)

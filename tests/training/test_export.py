@@ -1,0 +1,174 @@
+"""Export: a 2-rank sharded checkpoint -> TorchScript fp32 + int8 in one process -> .mar."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import run_export
+
+pytestmark = pytest.mark.slow
+
+
+def test_export_writes_variants_schema_parity_and_mar(exported: tuple[Path, Path, str]) -> None:
+    export, store, report = exported
+    schema = json.loads((export / "schema.json").read_text())
+    parity = json.loads((export / "parity.json").read_text())
+    assert parity["ok"] and parity["rows"] == 2000  # tiny's whole eval split
+    assert parity["max_abs_diff"]["fp32"] <= 1e-5
+    assert abs(parity["auc"]["int8"] - parity["auc"]["eager"]) <= 1e-3
+    assert schema["features"]["sparse"][0] == "C1" and len(schema["features"]["dense"]) == 13
+    assert schema["source"]["step"] == 40 and schema["source"]["world_size"] == 2
+    assert schema["model"] == {"name": "dlrm-tiny", "version": "1.0", "arch": "dlrm"}
+    assert schema["training_metrics"]["auc"] > 0.5
+    import hashlib
+
+    for variant in ("fp32", "int8"):
+        info = schema["variants"][variant]
+        data = (export / info["file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == info["sha256"] and len(data) == info["bytes"]
+    mar = store / "dlrm-tiny-1.0.mar"
+    names = set(zipfile.ZipFile(mar).namelist())
+    assert {
+        "model_int8.pt",
+        "schema.json",
+        "handler.py",
+        "codec.py",
+        "MAR-INF/MANIFEST.json",
+    } <= names
+    manifest = json.loads(zipfile.ZipFile(mar).read("MAR-INF/MANIFEST.json"))
+    assert (
+        manifest["model"]["modelName"] == "dlrm-tiny" and manifest["model"]["modelVersion"] == "1.0"
+    )
+    assert "batch 512" in report and "|ΔAUC| int8" in report
+
+
+FRESH = textwrap.dedent(
+    """
+    import sys, numpy as np, torch, fbgemm_gpu
+    m = torch.jit.load(sys.argv[1])
+    s = np.load(sys.argv[2])
+    d, v, l = (torch.from_numpy(s[k]) for k in ("dense", "values", "lengths"))
+    with torch.inference_mode():
+        p = m(d, v, l).numpy()
+    assert not any(k.startswith("torchrec") for k in sys.modules), "torchrec was imported"
+    print(len(p), float(np.abs(p - s["probs_int8"]).max()))
+    """
+)
+
+
+def test_fresh_process_without_torchrec_scores_1000_rows(exported: tuple[Path, Path, str]) -> None:
+    export, _, _ = exported
+    proc = subprocess.run(
+        [sys.executable, "-c", FRESH, str(export / "model_int8.pt"), str(export / "sample.npz")],
+        capture_output=True, text=True, timeout=120, cwd="/",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows, diff = proc.stdout.split()
+    assert int(rows) == 1000 and float(diff) <= 1e-6
+
+
+@pytest.mark.parametrize("variant", ["fp32", "int8"])
+def test_batch_scores_equal_per_row_scores_at_any_batch_size(
+    exported: tuple[Path, Path, str], variant: str
+) -> None:
+    import fbgemm_gpu  # noqa: F401
+
+    export, _, _ = exported
+    m = torch.jit.load(str(export / f"model_{variant}.pt"))
+    s = np.load(export / "sample.npz")
+    dense, values, lengths = (torch.from_numpy(s[k]) for k in ("dense", "values", "lengths"))
+    per_feature = lengths.sum(dim=1).tolist()
+    by_feature = torch.split(values, per_feature)
+
+    def rows(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        starts = [ln[:lo].sum() for ln in lengths]
+        ends = [ln[:hi].sum() for ln in lengths]
+        vals = torch.cat([f[a:b] for f, a, b in zip(by_feature, starts, ends, strict=True)])
+        return dense[lo:hi], vals, lengths[:, lo:hi].contiguous()
+
+    with torch.inference_mode():
+        full = m(dense, values, lengths)
+        assert torch.allclose(full, torch.from_numpy(s[f"probs_{variant}"]), atol=1e-6)
+        for b in (1, 7, 1000):
+            assert torch.allclose(m(*rows(0, b)), full[:b], atol=1e-6)
+        one_by_one = torch.cat([m(*rows(i, i + 1)) for i in range(50)])
+        assert torch.allclose(one_by_one, full[:50], atol=1e-6)
+
+
+def _store_listing(store: Path) -> list[str]:
+    return sorted(p.name for p in store.iterdir()) if store.exists() else []
+
+
+def test_existing_version_is_not_overwritten(
+    trained: Path, exported: tuple[Path, Path, str]
+) -> None:
+    _, store, _ = exported
+    before = (store / "dlrm-tiny-1.0.mar").stat().st_mtime_ns
+    proc = run_export(
+        ["--run-dir", str(trained), "--model-store", str(store), "--version", "1.0"], check=False
+    )
+    assert proc.returncode == 2 and "exists: pick another --version" in proc.stderr
+    assert (store / "dlrm-tiny-1.0.mar").stat().st_mtime_ns == before
+
+
+def _copy_run(trained: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(trained, dst, ignore=shutil.ignore_patterns("export"))
+    return dst
+
+
+def _latest(run: Path) -> Path:
+    return run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("metadata", "cannot read its DCP metadata"),
+        ("missing", "has no complete checkpoint"),
+        ("other_config", "belong to another model"),
+        ("empty_eval", "no well-formed"),
+    ],
+)
+def test_bad_inputs_fail_in_one_line_and_leave_nothing(
+    trained: Path, tmp_path: Path, damage: str, message: str
+) -> None:
+    run = _copy_run(trained, tmp_path / "run")
+    store = tmp_path / "store"
+    extra: list[str] = []
+    if damage == "metadata":
+        (_latest(run) / ".metadata").write_bytes(b"\x00not a pickle")
+    elif damage == "missing":
+        for p in (run / "checkpoints").iterdir():
+            if p.is_dir():
+                import shutil
+
+                shutil.rmtree(p)
+        (run / "checkpoints" / "latest").unlink()
+    elif damage == "other_config":
+        meta_path = _latest(run) / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        meta["config"]["model"]["embedding_dim"] = 16
+        meta["config"]["model"]["dense_arch"] = [16, 16]
+        meta_path.write_text(json.dumps(meta))
+    elif damage == "empty_eval":
+        empty = tmp_path / "empty.tsv"
+        empty.write_text("")
+        extra = ["--eval-data", str(empty)]
+    proc = run_export(["--run-dir", str(run), "--model-store", str(store), *extra], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert _store_listing(store) == []  # nothing half-written in the model store
+    assert not (run / "export").exists() and not list(run.glob(".export.tmp-*"))

@@ -1,0 +1,1 @@
+"""Export: a training checkpoint -> self-contained TorchScript variants, schema, parity, .mar."""

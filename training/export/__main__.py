@@ -1,0 +1,5 @@
+import sys
+
+from training.export.cli import main
+
+sys.exit(main())
