@@ -38,8 +38,6 @@ CHECKPOINT_PREFIX = "model.model."  # {"model": DMP(DLRMTrain).state_dict()} -> 
 class Scorer(nn.Module):
     """``(dense f32[B,13], values i64[N], lengths i32[26,B]) -> probabilities f32[B]``."""
 
-    rows: torch.Tensor
-
     def __init__(self, dlrm: nn.Module, rows: list[int]) -> None:
         super().__init__()
         self.dlrm = dlrm
@@ -50,7 +48,7 @@ class Scorer(nn.Module):
         self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor
     ) -> torch.Tensor:
         x = torch.log1p(torch.clamp(dense, min=0.0))  # = training.features.dense_transform
-        modulus = torch.repeat_interleave(self.rows, lengths.sum(dim=1))
+        modulus = torch.repeat_interleave(self.rows, lengths.sum(dim=1))  # type: ignore[arg-type]
         ids = torch.remainder(values, modulus)  # = training.features.hash_ids, per feature
         kjt = KeyedJaggedTensor(
             keys=self.keys, values=ids, lengths=lengths.reshape(-1).to(torch.int32)
