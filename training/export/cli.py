@@ -29,6 +29,7 @@ from training.errors import DataError, RecsysError
 from training.export.archive import archive, check_target
 from training.export.parity import latency_report, parity_report, predict
 from training.export.scorer import (
+    CPU_ROW_ALIGNMENT,
     eager_scorer,
     load_dlrm,
     raw_inputs,
@@ -131,6 +132,9 @@ def build_schema(
             for v, p in files.items()
         },
         "served_variant": served,
+        # Quantized tables are fbgemm CPU TBEs with unpadded rows; a CUDA artifact needs its own
+        # export (16-byte rows, TBEs created on the GPU).
+        "target": {"device": "cpu", "row_alignment": CPU_ROW_ALIGNMENT},
         "source": {
             "checkpoint": str(ckpt.resolve()),
             "step": meta.get("progress", {}).get("step"),

@@ -32,7 +32,8 @@ from training.features import SPARSE_NAMES
 from training.model import build_dlrm
 
 Variant = Literal["fp32", "int8", "fp16"]
-CHECKPOINT_PREFIX = "model.model."  # {"model": DMP(DLRMTrain).state_dict()} -> DLRM keys
+CHECKPOINT_PREFIX = "model.model."
+CPU_ROW_ALIGNMENT = 1  # {"model": DMP(DLRMTrain).state_dict()} -> DLRM keys
 
 
 class Scorer(nn.Module):
@@ -103,12 +104,19 @@ def script_variant(dlrm: DLRM, cfg: Config, variant: Variant) -> torch.jit.Scrip
     if variant == "fp32":
         return torch.jit.script(eager_scorer(copy.deepcopy(dlrm), cfg))
     import torchrec.fx
+    from torchrec import EmbeddingBagCollection
     from torchrec.inference.modules import quantize_inference_model
+    from torchrec.quant.embedding_modules import quant_prep_customize_row_alignment
 
     dtype = torch.int8 if variant == "int8" else torch.half
+    model = copy.deepcopy(dlrm)
+    # TorchRec pads quantized rows to 16 bytes, which CUDA kernels need; fbgemm's CPU kernels
+    # take any alignment. An int8 row of dim 16 is 16 B + 4 B scale/bias: 20 B unpadded (3.2x
+    # smaller than fp32) but 32 B padded (2x). This artifact targets CPU, so it is unpadded.
+    quant_prep_customize_row_alignment(model, [EmbeddingBagCollection], CPU_ROW_ALIGNMENT)
     # Module swap EBC -> QuantEBC: rows are quantized from the trained weights (no re-init;
     # shard_quant_model, which would re-create the tables, is not used for one CPU process).
-    quant = quantize_inference_model(copy.deepcopy(dlrm), quantization_dtype=dtype)
+    quant = quantize_inference_model(model, quantization_dtype=dtype)
     traced = torchrec.fx.symbolic_trace(quant)  # KJT stays an input: no batch size baked in
     scripted: torch.jit.ScriptModule = torch.jit.script(Scorer(traced, cfg.model.rows()).eval())
     return scripted
