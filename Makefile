@@ -29,6 +29,7 @@ $(VENV)/.installed: requirements/base.txt requirements/torchrec.txt
 	$(PY) -m pip install -q -r requirements/base.txt $(FBGEMM)
 	$(PY) -m pip install -q --no-deps -r requirements/torchrec.txt
 	$(PY) -c "import torch, fbgemm_gpu, torchrec; print('torch', torch.__version__, 'torchrec', torchrec.__version__)"
+	$(PY) -m serving.protos
 	touch $@
 
 TRAIN_ARGS = --config training/configs/$(PRESET).toml --run-dir $(RUN) $(if $(DATA),--data $(DATA)) $(ARGS)

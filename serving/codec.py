@@ -18,6 +18,10 @@ import torch
 
 MAGIC = b"RSB1"
 HEADER = struct.Struct("<4sIIII")
+# The handler's answer to a body it refuses. TorchServe 0.12's gRPC Predictions drops the
+# per-request status a handler sets (REST answers 400) and returns OK with this text as the
+# prediction, so readers must check for it before decoding scores.
+REJECTION = b"invalid request: "
 
 
 class CodecError(ValueError):
@@ -81,6 +85,8 @@ def encode_response(probs: torch.Tensor) -> bytes:
 
 
 def decode_response(body: bytes) -> torch.Tensor:
+    if body.startswith(REJECTION):
+        raise CodecError(body.decode(errors="replace"))
     if len(body) % 4:
         raise CodecError(f"response of {len(body)} bytes is not a float32 array")
     return torch.frombuffer(bytearray(body), dtype=torch.float32)

@@ -1,5 +1,8 @@
 """TorchServe handler for the exported scorer: binary requests in, probabilities out.
 
+TorchServe accepts a handler module with exactly one class, so the model-side stages live in
+``serving/scoring.py`` (archived beside this file) and only ``RecsysHandler`` is defined here.
+
 Stages (LitServe-style, each testable without a server): ``load`` (artifact + schema, device
 choice) -> ``decode`` each request -> ``forward`` one concatenated batch -> ``split`` back per
 request. TorchServe's batching (``batch_size``, ``max_batch_delay``) hands ``handle`` several
@@ -9,7 +12,6 @@ requests of different sizes; they run as one forward. A malformed request fails 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -23,9 +25,11 @@ except ImportError:  # pragma: no cover - unit tests without TorchServe
     BaseHandler = object  # type: ignore[misc,assignment]
 
 try:  # TorchServe puts the archive's extra files beside the handler, not in a package
-    from codec import CodecError, decode_request, encode_response  # type: ignore[import-not-found]
+    from codec import REJECTION, CodecError, encode_response  # type: ignore[import-not-found]
+    from scoring import ScoringModel  # type: ignore[import-not-found]
 except ImportError:
-    from serving.codec import CodecError, decode_request, encode_response
+    from serving.codec import REJECTION, CodecError, encode_response
+    from serving.scoring import ScoringModel
 
 logger = logging.getLogger(__name__)
 
@@ -42,41 +46,6 @@ def cpu_threads(env: dict[str, str], cores: int, workers: int) -> int:
     if env.get("RECSYS_THREADS"):
         return max(1, int(env["RECSYS_THREADS"]))
     return max(1, cores // max(workers, 1))
-
-
-class ScoringModel:
-    """The artifact and its schema, independent of TorchServe."""
-
-    def __init__(self, model_dir: Path, artifact: str, device: torch.device) -> None:
-        import fbgemm_gpu  # noqa: F401  registers the fbgemm ops the artifact calls
-
-        self.schema = json.loads((model_dir / "schema.json").read_text())
-        self.dense_count = len(self.schema["features"]["dense"])
-        self.sparse_count = len(self.schema["features"]["sparse"])
-        self.device = device
-        self.model = torch.jit.load(str(model_dir / artifact), map_location=device)
-        self.model.eval()
-
-    def decode(self, body: bytes | bytearray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return decode_request(body, self.dense_count, self.sparse_count)
-
-    def forward(
-        self, requests: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    ) -> list[torch.Tensor]:
-        """Concatenate requests (B_i examples each) into one batch, score, split back."""
-        sizes = [d.shape[0] for d, _, _ in requests]
-        dense = torch.cat([d for d, _, _ in requests])
-        lengths = torch.cat([ln for _, _, ln in requests], dim=1)  # [F, sum B]
-        # values are feature-major per request; regroup them feature-major for the whole batch
-        per_feature = [torch.split(v, ln.sum(dim=1).tolist()) for _, v, ln in requests]
-        values = torch.cat(
-            [chunk for f in range(lengths.shape[0]) for chunk in (p[f] for p in per_feature)]
-        )
-        with torch.inference_mode():
-            probs = self.model(
-                dense.to(self.device), values.to(self.device), lengths.to(self.device)
-            )
-        return list(torch.split(probs.float().cpu(), sizes))
 
 
 class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
@@ -108,7 +77,7 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
                 context.set_response_status(400, str(e), idx=i)
                 decoded.append(str(e))
         good = [i for i, x in enumerate(decoded) if not isinstance(x, str)]
-        out: list[Any] = [f"invalid request: {x}" if isinstance(x, str) else None for x in decoded]
+        out: list[Any] = [REJECTION + x.encode() if isinstance(x, str) else None for x in decoded]
         if good:
             for i, probs in zip(
                 good, self.scoring.forward([decoded[i] for i in good]), strict=True

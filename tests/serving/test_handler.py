@@ -18,7 +18,8 @@ from serving.codec import (
     encode_request,
     encode_response,
 )
-from serving.handler import ScoringModel, choose_device, cpu_threads
+from serving.handler import choose_device, cpu_threads
+from serving.scoring import ScoringModel
 
 
 def _sample(export: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:

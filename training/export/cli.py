@@ -42,6 +42,8 @@ from training.loader import Arrays
 logger = logging.getLogger("training.export")
 SCHEMA_VERSION = 1
 SAMPLE_ROWS = 1000
+# Modules the handler imports, archived beside it (TorchServe puts them on the worker's path).
+HANDLER_MODULES = ("codec.py", "scoring.py")
 
 
 @dataclass
@@ -207,7 +209,8 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
     if ecfg.archive:
         mar = archive(
             final, f"model_{served}.pt", ecfg.handler,
-            [final / "schema.json", final / "parity.json", ecfg.handler.parent / "codec.py"],
+            [final / "schema.json", final / "parity.json"]
+            + [ecfg.handler.parent / m for m in HANDLER_MODULES],
             ecfg.model_store, ecfg.name, ecfg.version, ecfg.overwrite,
         )  # fmt: skip
     return {

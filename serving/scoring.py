@@ -1,0 +1,51 @@
+"""The exported artifact and its schema, independent of TorchServe (used by the handler).
+
+Shapes: ``B`` examples, ``F`` = 26 sparse features; ids are grouped feature-major.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+try:  # inside a TorchServe worker, archive files sit side by side
+    from codec import decode_request  # type: ignore[import-not-found]
+except ImportError:
+    from serving.codec import decode_request
+
+
+class ScoringModel:
+    """The artifact and its schema, independent of TorchServe."""
+
+    def __init__(self, model_dir: Path, artifact: str, device: torch.device) -> None:
+        import fbgemm_gpu  # noqa: F401  registers the fbgemm ops the artifact calls
+
+        self.schema = json.loads((model_dir / "schema.json").read_text())
+        self.dense_count = len(self.schema["features"]["dense"])
+        self.sparse_count = len(self.schema["features"]["sparse"])
+        self.device = device
+        self.model = torch.jit.load(str(model_dir / artifact), map_location=device)
+        self.model.eval()
+
+    def decode(self, body: bytes | bytearray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return decode_request(body, self.dense_count, self.sparse_count)
+
+    def forward(
+        self, requests: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """Concatenate requests (B_i examples each) into one batch, score, split back."""
+        sizes = [d.shape[0] for d, _, _ in requests]
+        dense = torch.cat([d for d, _, _ in requests])
+        lengths = torch.cat([ln for _, _, ln in requests], dim=1)  # [F, sum B]
+        # values are feature-major per request; regroup them feature-major for the whole batch
+        per_feature = [torch.split(v, ln.sum(dim=1).tolist()) for _, v, ln in requests]
+        values = torch.cat(
+            [chunk for f in range(lengths.shape[0]) for chunk in (p[f] for p in per_feature)]
+        )
+        with torch.inference_mode():
+            probs = self.model(
+                dense.to(self.device), values.to(self.device), lengths.to(self.device)
+            )
+        return list(torch.split(probs.float().cpu(), sizes))
