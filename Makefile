@@ -14,10 +14,11 @@ DATA ?=
 ARGS ?=
 PYTEST_ARGS ?=
 QUANT ?= int8
+ROWS ?= 10
 NAME ?=
 VERSION ?=
 
-.PHONY: setup train export bench test lint fmt clean help
+.PHONY: setup train export serve stop score bench test lint fmt clean help
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
@@ -44,6 +45,15 @@ train: setup  ## train PRESET (tiny|demo|criteo-kaggle) with NPROC processes int
 export: setup  ## export RUN's latest checkpoint: TorchScript fp32 + QUANT (int8|fp16|none), parity, model_store/NAME-VERSION.mar
 	$(PY) -m training.export --run-dir $(RUN) --quant $(QUANT) $(if $(NAME),--name $(NAME)) \
 		$(if $(VERSION),--version $(VERSION)) $(EXPORT_ARGS)
+
+serve: setup  ## start TorchServe + the gRPC gateway for RUN's export in the background; waits until SERVING
+	$(PY) -m serving.stack start --schema $(RUN)/export/schema.json
+
+stop:  ## stop the gateway (gracefully) and TorchServe
+	@if [ -x $(PY) ]; then $(PY) -m serving.stack stop; fi
+
+score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the synthetic set) through the gateway
+	$(PY) -m serving.client --rows $(ROWS) --data $(or $(DATA),$(firstword $(wildcard data/synthetic/*.tsv)))
 
 bench: setup  ## trainer vs raw DMP step vs plain PyTorch DLRM, printed as ratios
 	$(PY) -m training.bench $(ARGS)
