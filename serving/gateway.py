@@ -90,21 +90,31 @@ class KeySource:
 _UNAVAILABLE_HINTS = ("worker", "not found", "unavailable", "503", "no worker", "connect")
 
 
-def map_backend_error(e: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
-    """TorchServe's status -> ours. Its worker/model outages are UNAVAILABLE for a client."""
+def map_backend_error(
+    e: grpc.aio.AioRpcError, client_bound: bool = False, deadline_s: float = 0.0
+) -> tuple[grpc.StatusCode, str]:
+    """TorchServe's status -> ours.
+
+    Outages are UNAVAILABLE (retryable): connection refused, a model without a live worker, and
+    no answer within the gateway's own backend deadline (as proxies map an upstream timeout).
+    DEADLINE_EXCEEDED only when the client's deadline was the one that ran out.
+    """
     code, details = e.code(), (e.details() or "").strip()
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return code, f"TorchServe: {details or code.name}"
-    if code == grpc.StatusCode.INVALID_ARGUMENT:  # the handler refused what we validated: a bug
-        return grpc.StatusCode.INTERNAL, f"TorchServe rejected a validated request: {details}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        if client_bound:
+            return code, "the call's deadline passed while TorchServe was scoring"
+        return grpc.StatusCode.UNAVAILABLE, (
+            f"TorchServe did not answer within {deadline_s:g}s: its workers are down, restarting or overloaded"
+        )
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return code, f"TorchServe is unreachable: {details or code.name}"
+    if code == grpc.StatusCode.PERMISSION_DENIED:  # keys rotate when TorchServe restarts
+        return grpc.StatusCode.UNAVAILABLE, f"TorchServe refused the gateway's key: {details}"
     if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED) or any(
         h in details.lower() for h in _UNAVAILABLE_HINTS
     ):
         return grpc.StatusCode.UNAVAILABLE, f"TorchServe: {details or code.name}"
-    return (
-        grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.INTERNAL else code,
-        f"TorchServe: {details}",
-    )
+    return grpc.StatusCode.INTERNAL, f"TorchServe failed: {code.name}: {details}"
 
 
 class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
@@ -124,19 +134,29 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         version = request.model_version or self.schema.model_version
+        if version != self.schema.model_version:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"model_version '{version}' is not served here (this gateway serves "
+                f"{self.schema.model_name} v{self.schema.model_version})",
+            )
         body = encode_request(
             torch.from_numpy(dense), torch.from_numpy(values), torch.from_numpy(lengths)
         )
+        remaining = context.time_remaining()
+        client_bound = remaining is not None and remaining < self.cfg.deadline_s
         try:
             reply = await self.stub.Predictions(
                 inference_pb2.PredictionsRequest(
                     model_name=self.schema.model_name, model_version=version, input={"data": body}
                 ),
                 metadata=self.keys.metadata(),
-                timeout=self.cfg.deadline_s,
+                timeout=min(remaining, self.cfg.deadline_s)
+                if client_bound
+                else self.cfg.deadline_s,
             )
         except grpc.aio.AioRpcError as e:
-            code, message = map_backend_error(e)
+            code, message = map_backend_error(e, client_bound, self.cfg.deadline_s)
             await context.abort(code, message)
         try:
             scores = decode_response(reply.prediction)

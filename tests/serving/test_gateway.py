@@ -1,0 +1,265 @@
+"""The real gateway in front of a real TorchServe, on free ports, with the tiny exported model."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from serving import torchserve as ts
+from serving.client import build_request
+from serving.protos import ensure_generated
+from serving.stack import gateway_status
+from tests.conftest import ROOT, _env
+from tests.serving.test_torchserve import _free_ports
+
+ensure_generated()
+from serving._gen.recsys.v1 import ranker_pb2, ranker_pb2_grpc  # noqa: E402
+
+pytestmark = pytest.mark.slow
+DEADLINE_S = 2.0
+
+
+@dataclass
+class Stack:
+    cfg: ts.TorchServeConfig
+    torchserve: subprocess.Popen[bytes]
+    gateway: subprocess.Popen[bytes]
+    target: str
+    stub: ranker_pb2_grpc.RankerStub
+    rows: dict[str, np.ndarray]
+
+
+def _wait_status(target: str, want: str, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if gateway_status(target) == want:
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    raise AssertionError(f"gateway never became {want} (now {gateway_status(target)})")
+
+
+def _start_torchserve(cfg: ts.TorchServeConfig) -> subprocess.Popen[bytes]:
+    proc = ts.start(cfg)
+    ts.wait_ready(cfg, timeout=240, proc=proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def stack(
+    exported: tuple[Path, Path, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    export, store, _ = exported
+    ports = _free_ports(6)
+    workdir = tmp_path_factory.mktemp("gw")
+    cfg = ts.TorchServeConfig(
+        inference_port=ports[0], management_port=ports[1], metrics_port=ports[2],
+        grpc_inference_port=ports[3], grpc_management_port=ports[4], model_store=store,
+        mar_file="dlrm-tiny-1.0.mar", model_name="dlrm-tiny", model_version="1.0", workdir=workdir,
+    )  # fmt: skip
+    torchserve = _start_torchserve(cfg)
+    target = f"127.0.0.1:{ports[5]}"
+    log = open(workdir / "gateway.log", "ab")  # noqa: SIM115
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "serving.gateway", "--schema", str(export / "schema.json"),
+         "--port", str(ports[5]), "--backend", cfg.grpc_inference_target,
+         "--key-file", str(cfg.key_file), "--deadline", str(DEADLINE_S), "--max-examples", "1000"],
+        cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    log.close()
+    channel = grpc.insecure_channel(target)
+    s = np.load(export / "sample.npz")
+    rows = {k: s[k] for k in s.files}
+    # sample.npz holds encoded inputs; rebuild the row-major arrays a client starts from.
+    lengths, values = rows["lengths"], rows["values"]
+    sparse = np.full((lengths.shape[1], lengths.shape[0]), -1, dtype=np.int64)
+    pos = 0
+    for f in range(lengths.shape[0]):
+        present = lengths[f] > 0
+        sparse[present, f] = values[pos : pos + int(present.sum())]
+        pos += int(lengths[f].sum())
+    rows["sparse"] = sparse
+    try:
+        _wait_status(target, "SERVING", 120)
+        yield Stack(cfg, torchserve, gateway, target, ranker_pb2_grpc.RankerStub(channel), rows)
+    finally:
+        channel.close()
+        gateway.send_signal(signal.SIGTERM)
+        try:
+            assert gateway.wait(timeout=30) == 0  # graceful shutdown exits cleanly
+        finally:
+            ts.stop(torchserve)
+
+
+def _request(st: Stack, lo: int, hi: int) -> ranker_pb2.ScoreRequest:
+    return build_request(st.rows["dense"][lo:hi], st.rows["sparse"][lo:hi])
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(0, 1), (0, 500), (500, 1000)])
+def test_scores_equal_in_process_torchscript(stack: Stack, lo: int, hi: int) -> None:
+    reply = stack.stub.Score(_request(stack, lo, hi), timeout=10)
+    assert reply.model_name == "dlrm-tiny" and reply.model_version == "1.0"
+    np.testing.assert_allclose(np.asarray(reply.scores), stack.rows["probs_int8"][lo:hi], atol=1e-6)
+
+
+def test_100_concurrent_requests_succeed(stack: Stack) -> None:
+    def one(i: int) -> bool:
+        lo = (i * 37) % 900
+        hi = lo + 1 + (i % 50)
+        got = np.asarray(stack.stub.Score(_request(stack, lo, hi), timeout=30).scores)
+        return bool(np.allclose(got, stack.rows["probs_int8"][lo:hi], atol=1e-6))
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        assert all(pool.map(one, range(100)))
+
+
+def _bad_requests(st: Stack) -> list[tuple[str, ranker_pb2.ScoreRequest, str]]:
+    good = _request(st, 0, 3)
+    cases = []
+
+    def variant(name: str, message: str, mutate) -> None:  # type: ignore[no-untyped-def]
+        r = ranker_pb2.ScoreRequest()
+        r.CopyFrom(good)
+        mutate(r)
+        cases.append((name, r, message))
+
+    variant(
+        "unknown feature",
+        "unknown feature 'C99'",
+        lambda r: r.sparse.add(name="C99", ids=[1], lengths=[1, 0, 0]),
+    )
+    variant("dense count", "dense: 38 values", lambda r: r.dense.pop())
+    variant(
+        "nan", "dense[I5] of example 1 is nan", lambda r: r.dense.__setitem__(13 + 4, float("nan"))
+    )
+    variant("negative id", "sparse[C2] of example", lambda r: r.sparse[1].ids.__setitem__(0, -5))
+    variant(
+        "too many examples", "over the limit of 1000", lambda r: setattr(r, "num_examples", 5000)
+    )
+    variant("empty", "at least one example", lambda r: r.Clear())
+    variant(
+        "lengths mismatch",
+        "sparse[C3]: lengths add up",
+        lambda r: r.sparse[2].lengths.__setitem__(0, 7),
+    )
+    variant("duplicate feature", "appears twice", lambda r: r.sparse.append(r.sparse[0]))
+    big = ranker_pb2.ScoreRequest(num_examples=1, dense=[0.0] * 13)
+    big.sparse.add(name="C1", ids=list(range(900_000)), lengths=[900_000])
+    cases.append(("oversized", big, "the limit is"))
+    return cases
+
+
+def test_bad_requests_are_invalid_argument_naming_the_field(stack: Stack) -> None:
+    for name, request, message in _bad_requests(stack):
+        with pytest.raises(grpc.RpcError) as e:
+            stack.stub.Score(request, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, e.value.details())
+        assert message in e.value.details(), (name, e.value.details())
+    test_scores_equal_in_process_torchscript(stack, 0, 1)  # both servers still serve
+
+
+def test_fuzz_never_internal_and_servers_survive(stack: Stack) -> None:
+    rng = random.Random(0)
+    codes: dict[str, int] = {}
+    base = [_request(stack, i, i + rng.randint(1, 20)) for i in range(0, 200, 20)]
+    for i in range(1000):
+        r = ranker_pb2.ScoreRequest()
+        if i % 4 == 0:  # random bytes that may or may not parse as a ScoreRequest
+            try:
+                r.ParseFromString(rng.randbytes(rng.randint(0, 400)))
+            except Exception:
+                r.num_examples = rng.randint(0, 2000)
+        else:
+            r.CopyFrom(rng.choice(base))
+            for _ in range(rng.randint(1, 3)):
+                _mutate(r, rng)
+        try:
+            stack.stub.Score(r, timeout=10)
+            code = "OK"
+        except grpc.RpcError as e:
+            code = e.code().name
+        codes[code] = codes.get(code, 0) + 1
+    assert set(codes) <= {"OK", "INVALID_ARGUMENT", "NOT_FOUND"}, codes
+    assert codes.get("OK", 0) > 50 and codes.get("INVALID_ARGUMENT", 0) > 400, codes
+    assert stack.gateway.poll() is None and stack.torchserve.poll() is None
+    assert ts.ready_workers(stack.cfg) >= 1  # no worker lost
+    test_scores_equal_in_process_torchscript(stack, 0, 500)
+
+
+def _mutate(r: ranker_pb2.ScoreRequest, rng: random.Random) -> None:
+    choice = rng.randrange(8)
+    if choice == 0:
+        r.num_examples = rng.choice([0, r.num_examples + 1, max(r.num_examples - 1, 0), 10**6])
+    elif choice == 1 and r.dense:
+        r.dense[rng.randrange(len(r.dense))] = rng.choice([float("nan"), float("inf"), -1e30, 3.0])
+    elif choice == 2 and r.sparse:
+        f = r.sparse[rng.randrange(len(r.sparse))]
+        if f.ids:
+            f.ids[rng.randrange(len(f.ids))] = rng.choice([-1, 0, 2**62, -(2**63)])
+    elif choice == 3 and r.sparse:
+        r.sparse[rng.randrange(len(r.sparse))].name = rng.choice(
+            ["", "C0", "c1", "C27", "I1", "C1"]
+        )
+    elif choice == 4 and r.sparse:
+        f = r.sparse[rng.randrange(len(r.sparse))]
+        if f.lengths:
+            f.lengths[rng.randrange(len(f.lengths))] = rng.choice([-1, 0, 2, 100, 2**31 - 1])
+    elif choice == 5:
+        del r.dense[rng.randrange(len(r.dense) + 1) :]
+    elif choice == 6 and r.sparse:
+        del r.sparse[rng.randrange(len(r.sparse))]
+    else:
+        r.model_version = rng.choice(["", "1.0", "9.9", "x" * 100])
+
+
+def test_outages_are_unavailable_then_recover(stack: Stack) -> None:
+    request = _request(stack, 0, 5)
+    # 1. Kill the Python worker: TorchServe restarts it; calls meanwhile fail UNAVAILABLE, fast.
+    workers = [
+        p
+        for p in ts.group_members(stack.torchserve.pid)
+        if "model_service_worker" in " ".join(p.cmdline())
+    ]
+    assert workers, "no TorchServe worker found"
+    for w in workers:
+        w.kill()
+    _assert_fails_unavailable_or_recovers(stack, request)
+    _wait_status(stack.target, "SERVING", 120)
+    # 2. Kill TorchServe itself: UNAVAILABLE within the deadline, health NOT_SERVING.
+    ts.stop(stack.torchserve, timeout=10)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        stack.stub.Score(request, timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    assert time.monotonic() - t0 < DEADLINE_S + 1.0  # no hang past the gateway's deadline
+    _wait_status(stack.target, "NOT_SERVING", 10)
+    # 3. Bring TorchServe back (new keys): health returns to SERVING and scores are right again.
+    stack.torchserve = _start_torchserve(stack.cfg)
+    _wait_status(stack.target, "SERVING", 60)
+    test_scores_equal_in_process_torchscript(stack, 0, 500)
+
+
+def _assert_fails_unavailable_or_recovers(stack: Stack, request: ranker_pb2.ScoreRequest) -> None:
+    """Right after a worker dies, each call either succeeds or fails UNAVAILABLE within the deadline."""
+    seen = set()
+    for _ in range(20):
+        t0 = time.monotonic()
+        try:
+            stack.stub.Score(request, timeout=10)
+            seen.add("OK")
+        except grpc.RpcError as e:
+            seen.add(e.code().name)
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+        assert time.monotonic() - t0 < DEADLINE_S + 1.0
+        time.sleep(0.1)
+    assert seen <= {"OK", "UNAVAILABLE"}, seen
