@@ -55,8 +55,9 @@ stop:  ## stop the gateway (gracefully) and TorchServe
 score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the synthetic set) through the gateway
 	$(PY) -m serving.client --rows $(ROWS) --data $(or $(DATA),$(firstword $(wildcard data/synthetic/*.tsv)))
 
-bench: setup  ## trainer vs raw DMP step vs plain PyTorch DLRM, printed as ratios
+bench: setup  ## training (trainer vs DMP ceiling vs plain PyTorch) and serving (in-process vs REST JSON vs gateway) ratios
 	$(PY) -m training.bench $(ARGS)
+	$(PY) -m serving.bench $(SERVING_BENCH_ARGS)
 
 test: setup  ## the CI suite (CPU, real torchrun process groups)
 	$(PY) -m pytest $(PYTEST_ARGS)

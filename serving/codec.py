@@ -90,3 +90,42 @@ def decode_response(body: bytes) -> torch.Tensor:
     if len(body) % 4:
         raise CodecError(f"response of {len(body)} bytes is not a float32 array")
     return torch.frombuffer(bytearray(body), dtype=torch.float32)
+
+
+def decode_json(
+    obj: object, dense_names: list[str], sparse_names: list[str]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TorchServe's default REST style, ``{"instances": [{"dense": [..13..], "sparse": {"C1":
+    [ids], ...}}, ...]}`` -> the same tensors as :func:`decode_request`. Kept for users who
+    call TorchServe directly and as the benchmark's baseline; the gateway sends RSB1."""
+    if (
+        not isinstance(obj, dict)
+        or not isinstance(obj.get("instances"), list)
+        or not obj["instances"]
+    ):
+        raise CodecError('expected {"instances": [{"dense": [...], "sparse": {...}}, ...]}')
+    rows = obj["instances"]
+    index = {name: k for k, name in enumerate(sparse_names)}
+    dense = torch.zeros(len(rows), len(dense_names), dtype=torch.float32)
+    ids: list[list[int]] = [[] for _ in sparse_names]
+    lengths = torch.zeros(len(sparse_names), len(rows), dtype=torch.int32)
+    for i, row in enumerate(rows):
+        try:
+            values = row["dense"]
+            if len(values) != len(dense_names):
+                raise CodecError(
+                    f"instances[{i}].dense has {len(values)} values; the model takes {len(dense_names)}"
+                )
+            dense[i] = torch.tensor(values, dtype=torch.float32)
+            for name, feature_ids in row.get("sparse", {}).items():
+                if name not in index:
+                    raise CodecError(f"instances[{i}].sparse: unknown feature '{name}'")
+                k = index[name]
+                ids[k].extend(int(x) for x in feature_ids)
+                lengths[k, i] = len(feature_ids)
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, CodecError):
+                raise
+            raise CodecError(f"instances[{i}]: {type(e).__name__}: {e}") from None
+    values_t = torch.tensor([x for per in ids for x in per], dtype=torch.int64)
+    return dense, values_t, lengths

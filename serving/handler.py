@@ -12,6 +12,7 @@ requests of different sizes; they run as one forward. A malformed request fails 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -25,10 +26,10 @@ except ImportError:  # pragma: no cover - unit tests without TorchServe
     BaseHandler = object  # type: ignore[misc,assignment]
 
 try:  # TorchServe puts the archive's extra files beside the handler, not in a package
-    from codec import REJECTION, CodecError, encode_response  # type: ignore[import-not-found]
+    from codec import REJECTION, CodecError, decode_json, encode_response  # type: ignore[import-not-found]
     from scoring import ScoringModel  # type: ignore[import-not-found]
 except ImportError:
-    from serving.codec import REJECTION, CodecError, encode_response
+    from serving.codec import REJECTION, CodecError, decode_json, encode_response
     from serving.scoring import ScoringModel
 
 logger = logging.getLogger(__name__)
@@ -66,14 +67,24 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
         )
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
+        """Decode each request (RSB1 bytes, or JSON ``instances``), one forward, split back."""
         decoded: list[Any] = []
+        as_json: list[bool] = []
         for i, row in enumerate(data):
             body = row.get("data") or row.get("body")
             try:
-                if not isinstance(body, bytes | bytearray):
-                    raise CodecError(f"expected a binary body, got {type(body).__name__}")
-                decoded.append(self.scoring.decode(body))
-            except CodecError as e:
+                if isinstance(body, bytes | bytearray) and body[:1] == b"{":
+                    body = json.loads(body)
+                as_json.append(isinstance(body, dict))
+                if isinstance(body, dict):
+                    decoded.append(
+                        decode_json(body, self.scoring.dense_names, self.scoring.sparse_names)
+                    )
+                elif isinstance(body, bytes | bytearray):
+                    decoded.append(self.scoring.decode(body))
+                else:
+                    raise CodecError(f"expected an RSB1 or JSON body, got {type(body).__name__}")
+            except (CodecError, ValueError) as e:
                 context.set_response_status(400, str(e), idx=i)
                 decoded.append(str(e))
         good = [i for i, x in enumerate(decoded) if not isinstance(x, str)]
@@ -82,5 +93,5 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
             for i, probs in zip(
                 good, self.scoring.forward([decoded[i] for i in good]), strict=True
             ):
-                out[i] = encode_response(probs)
+                out[i] = probs.tolist() if as_json[i] else encode_response(probs)
         return out

@@ -23,8 +23,10 @@ class ScoringModel:
         import fbgemm_gpu  # noqa: F401  registers the fbgemm ops the artifact calls
 
         self.schema = json.loads((model_dir / "schema.json").read_text())
-        self.dense_count = len(self.schema["features"]["dense"])
-        self.sparse_count = len(self.schema["features"]["sparse"])
+        self.dense_names: list[str] = list(self.schema["features"]["dense"])
+        self.sparse_names: list[str] = list(self.schema["features"]["sparse"])
+        self.dense_count = len(self.dense_names)
+        self.sparse_count = len(self.sparse_names)
         self.device = device
         self.model = torch.jit.load(str(model_dir / artifact), map_location=device)
         self.model.eval()

@@ -112,6 +112,55 @@ def test_scores_equal_in_process_torchscript(stack: Stack, lo: int, hi: int) -> 
     np.testing.assert_allclose(np.asarray(reply.scores), stack.rows["probs_int8"][lo:hi], atol=1e-6)
 
 
+def test_torchserve_rest_with_json_bodies_scores_the_same(stack: Stack) -> None:
+    # The default TorchServe path (the benchmark's baseline) goes through the same handler.
+    import http.client
+    import json
+
+    names = [f"C{i}" for i in range(1, 27)]
+    dense, sparse = stack.rows["dense"][:20], stack.rows["sparse"][:20]
+    body = {
+        "instances": [
+            {
+                "dense": dense[i].tolist(),
+                "sparse": {names[f]: [int(sparse[i, f])] for f in range(26) if sparse[i, f] >= 0},
+            }
+            for i in range(20)
+        ]
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", stack.cfg.inference_port, timeout=30)
+    headers = {
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {ts.inference_key(stack.cfg)}",
+    }
+    conn.request("POST", "/predictions/dlrm-tiny/1.0", body=json.dumps(body), headers=headers)
+    resp = conn.getresponse()
+    assert resp.status == 200
+    np.testing.assert_allclose(json.loads(resp.read()), stack.rows["probs_int8"][:20], atol=1e-6)
+    conn.request(
+        "POST",
+        "/predictions/dlrm-tiny/1.0",
+        body=json.dumps({"instances": [{"dense": [1]}]}),
+        headers=headers,
+    )
+    resp = conn.getresponse()
+    assert resp.status == 400 and b"dense has 1 values" in resp.read()
+
+
+def test_reflection_lists_the_services(stack: Stack) -> None:
+    # What grpcurl does: ask the server for its services and the Score method's descriptor.
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(stack.target) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = set(db.get_services())
+        assert {"recsys.v1.Ranker", "grpc.health.v1.Health"} <= services
+        method = db.FindFileContainingSymbol("recsys.v1.Ranker")
+        assert "ScoreRequest" in str(method)
+
+
 def test_100_concurrent_requests_succeed(stack: Stack) -> None:
     def one(i: int) -> bool:
         lo = (i * 37) % 900
