@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         name, version = schema["model"]["name"], schema["model"]["version"]
         store = work / "store" if ns.export is None else Path("model_store")
         data = inputs(export, ns.examples)
-        ports = _free_ports(6)
+        ports = ts.free_ports(6)
         cfg = ts.TorchServeConfig(
             inference_port=ports[0], management_port=ports[1], metrics_port=ports[2],
             grpc_inference_port=ports[3], grpc_management_port=ports[4], model_store=store,
@@ -297,19 +297,6 @@ def format_table(
         f"gateway / rest-json examples/s at concurrency 4 = {gw[4]['examples_per_s'] / rest[4]['examples_per_s']:.2f} (target >= 1.5)"
     )
     return "\n".join(lines)
-
-
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 if __name__ == "__main__":

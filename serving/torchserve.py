@@ -124,6 +124,20 @@ class TorchServeConfig:
         return f"{self.host}:{self.grpc_inference_port}"
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (held together while chosen)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def model_from_mar(mar: Path) -> tuple[str, str]:
     """``(modelName, modelVersion)`` from the archive's manifest."""
     with zipfile.ZipFile(mar) as z:

@@ -21,7 +21,7 @@ from serving.client import build_request
 from serving.protos import ensure_generated
 from serving.stack import gateway_status
 from tests.conftest import ROOT, _env
-from tests.serving.test_torchserve import _free_ports
+from tests.serving.test_torchserve import _free_ports, _ours
 
 ensure_generated()
 from serving._gen.recsys.v1 import ranker_pb2, ranker_pb2_grpc  # noqa: E402
@@ -89,16 +89,18 @@ def stack(
         sparse[present, f] = values[pos : pos + int(present.sum())]
         pos += int(lengths[f].sum())
     rows["sparse"] = sparse
+    st = Stack(cfg, torchserve, gateway, target, ranker_pb2_grpc.RankerStub(channel), rows)
     try:
         _wait_status(target, "SERVING", 120)
-        yield Stack(cfg, torchserve, gateway, target, ranker_pb2_grpc.RankerStub(channel), rows)
+        yield st
     finally:
         channel.close()
         gateway.send_signal(signal.SIGTERM)
         try:
             assert gateway.wait(timeout=30) == 0  # graceful shutdown exits cleanly
         finally:
-            ts.stop(torchserve)
+            ts.stop(st.torchserve)  # the outage test replaces the instance it started with
+    assert not _ours(workdir), "a TorchServe process outlived the test"
 
 
 def _request(st: Stack, lo: int, hi: int) -> ranker_pb2.ScoreRequest:

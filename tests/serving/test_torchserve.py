@@ -6,7 +6,6 @@ One instance for the module, on free ports, batching on (8 requests, 5 ms), one 
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +35,7 @@ from serving.torchserve import (
     wait_ready,
     write_properties,
 )
+from serving.torchserve import free_ports as _free_ports
 
 ensure_generated()
 from serving._gen import inference_pb2, inference_pb2_grpc  # noqa: E402
@@ -43,17 +43,6 @@ from serving._gen import inference_pb2, inference_pb2_grpc  # noqa: E402
 # Java startup + worker load is ~10 s on a laptop; a 2-core CI box under load needs more.
 STARTUP_TIMEOUT_S = 240
 CALL_TIMEOUT_S = 30
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:  # held together so the n ports differ
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _ours(workdir: Path) -> list[psutil.Process]:
