@@ -15,10 +15,15 @@ ARGS ?=
 PYTEST_ARGS ?=
 QUANT ?= int8
 ROWS ?= 10
+USERS ?= 4
+SPAWN_RATE ?= 4
+DURATION ?= 30s
+OUT ?= reports/$(shell date +%Y%m%d-%H%M%S)
+LOADTEST_ARGS ?=
 NAME ?=
 VERSION ?=
 
-.PHONY: setup train export serve stop score bench test lint fmt clean help
+.PHONY: setup train export serve stop score loadtest demo bench test lint fmt clean help
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
@@ -54,6 +59,19 @@ stop:  ## stop the gateway (gracefully) and TorchServe
 
 score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the synthetic set) through the gateway
 	$(PY) -m serving.client --rows $(ROWS) --data $(or $(DATA),$(firstword $(wildcard data/synthetic/*.tsv)))
+
+loadtest: setup  ## headless Locust against the gateway: USERS, SPAWN_RATE, DURATION, OUT; report + summary.json + PNG
+	$(PY) -m loadtest.run --users $(USERS) --spawn-rate $(SPAWN_RATE) --duration $(DURATION) --out $(OUT) $(LOADTEST_ARGS)
+
+demo: setup  ## everything on the embedded default: train -> export -> serve -> score -> load test -> stop
+	$(MAKE) --no-print-directory train PRESET=demo
+	$(MAKE) --no-print-directory export PRESET=demo EXPORT_ARGS=--overwrite
+	@set -e; trap '$(MAKE) --no-print-directory stop' EXIT; \
+	  $(MAKE) --no-print-directory serve PRESET=demo; \
+	  $(MAKE) --no-print-directory score PRESET=demo ROWS=5; \
+	  $(MAKE) --no-print-directory loadtest DURATION=20s OUT=$(OUT) \
+	    LOADTEST_ARGS="--calibrate --slo-failure-ratio 0 $(LOADTEST_ARGS)"; \
+	  echo "report: $(OUT)/report.html  $(OUT)/latency.png  $(OUT)/summary.json"
 
 bench: setup  ## training (trainer vs DMP ceiling vs plain PyTorch) and serving (in-process vs REST JSON vs gateway) ratios
 	$(PY) -m training.bench $(ARGS)

@@ -1,0 +1,148 @@
+"""Load tests: the summary/knee arithmetic on small CSVs, and a real headless run on the stack."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loadtest import report
+from loadtest.run import seconds
+from tests.conftest import ROOT, _env
+from tests.serving.test_torchserve import _free_ports
+
+STATS_HEADER = (
+    "Type,Name,Request Count,Failure Count,Median Response Time,Average Response Time,"
+    "Min Response Time,Max Response Time,Average Content Size,Requests/s,Failures/s,"
+    "50%,66%,75%,80%,90%,95%,98%,99%,99.9%,99.99%,100%\n"
+)
+HISTORY_HEADER = (
+    "Timestamp,User Count,Type,Name,Requests/s,Failures/s,50%,66%,75%,80%,90%,95%,98%,99%,"
+    "99.9%,99.99%,100%,Total Request Count,Total Failure Count,Total Median Response Time,"
+    "Total Average Response Time,Total Min Response Time,Total Max Response Time,"
+    "Total Average Content Size\n"
+)
+
+
+def _locust_csvs(tmp_path: Path) -> Path:
+    prefix = tmp_path / "locust"
+    Path(f"{prefix}_stats.csv").write_text(
+        STATS_HEADER
+        + "grpc,recsys.v1.Ranker/Score,1000,10,4,5.1,1,80,420,99.5,1.0,4,5,5,6,8,12,20,30,70,80,80\n"
+        + ",Aggregated,1000,10,4,5.1,1,80,420,99.5,1.0,4,5,5,6,8,12,20,30,70,80,80\n"
+    )
+    Path(f"{prefix}_failures.csv").write_text(
+        "Method,Name,Error,Occurrences\n"
+        "grpc,recsys.v1.Ranker/Score,\"GrpcError('DEADLINE_EXCEEDED: Deadline Exceeded')\",7\n"
+        "grpc,recsys.v1.Ranker/Score,\"GrpcError('UNAVAILABLE: backend restarting')\",2\n"
+        "grpc,recsys.v1.Ranker/Score,\"GrpcError('UNAVAILABLE: connection reset')\",1\n"
+    )
+    Path(f"{prefix}_stats_history.csv").write_text(
+        HISTORY_HEADER
+        + "100,0,,Aggregated,0,0,N/A,N/A,N/A,N/A,N/A,N/A,N/A,N/A,N/A,N/A,N/A,0,0,0,0,0,0,0\n"
+        + "101,2,,Aggregated,90,0,4,5,5,6,8,12,20,30,70,80,80,90,0,4,5,1,80,420\n"
+        + "102,4,,Aggregated,110,1,5,5,5,6,8,12,20,35,70,80,80,200,1,4,5,1,80,420\n"
+    )
+    return prefix
+
+
+def test_summary_slo_knee_and_plot(tmp_path: Path) -> None:
+    prefix = _locust_csvs(tmp_path)
+    s = report.summarize(prefix)
+    assert (s["requests"], s["failures"], s["rps"]) == (1000, 10, 99.5)
+    assert (s["p50_ms"], s["p95_ms"], s["p99_ms"], s["max_ms"]) == (4, 12, 30, 80)
+    assert s["failures_by_type"] == {"DEADLINE_EXCEEDED": 7, "UNAVAILABLE": 3}
+    assert report.slo_violation(s, p99_ms=30, failure_ratio=0.01) == ""
+    assert report.slo_violation(s, p99_ms=29, failure_ratio=None) == "p99 30 ms > limit 29 ms"
+    assert "failure ratio 0.0100 > limit 0.001" in report.slo_violation(s, None, 0.001)
+
+    steps = [
+        {"users": 1, "rps": 50.0, "p50_ms": 2, "p99_ms": 5, "requests": 500, "failures": 0, "failure_ratio": 0.0},
+        {"users": 2, "rps": 95.0, "p50_ms": 2, "p99_ms": 9, "requests": 950, "failures": 0, "failure_ratio": 0.0},
+        {"users": 4, "rps": 120.0, "p50_ms": 4, "p99_ms": 40, "requests": 1200, "failures": 0, "failure_ratio": 0.0},
+        {"users": 8, "rps": 118.0, "p50_ms": 9, "p99_ms": 90, "requests": 1180, "failures": 0, "failure_ratio": 0.0},
+    ]  # fmt: skip
+    best = report.knee(steps, p99_ms=50)
+    assert best is not None and best["users"] == 4
+    assert report.knee(steps, p99_ms=1) is None
+    assert "<- knee" in report.steps_table(steps, best).splitlines()[3]
+
+    report.plot(Path(f"{prefix}_stats_history.csv"), tmp_path / "p.png", "t")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert seconds("10s") == 10 and seconds("2m") == 120 and seconds("7") == 7
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    exported: tuple[Path, Path, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """`python -m serving.stack start` on free ports (as a user runs it); stopped afterwards."""
+    export, store, _ = exported
+    ports = _free_ports(6)
+    names = ["INFERENCE", "MANAGEMENT", "METRICS", "GRPC_INFERENCE", "GRPC_MANAGEMENT"]
+    env = _env({f"RECSYS_TS_{n}_PORT": str(p) for n, p in zip(names, ports[:5], strict=True)})
+    env["RECSYS_GATEWAY_PORT"] = str(ports[5])
+    stack = [sys.executable, "-m", "serving.stack"]
+    workdir = ["--workdir", str(tmp_path_factory.mktemp("serve"))]
+    try:
+        started = subprocess.run(
+            [*stack, "start", *workdir, "--schema", str(export / "schema.json"),
+             "--model-store", str(store)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert started.returncode == 0, started.stderr[-2000:]
+        yield f"127.0.0.1:{ports[5]}"
+    finally:
+        subprocess.run([*stack, "stop", *workdir], cwd=ROOT, env=env, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def rows_tsv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tsv = tmp_path_factory.mktemp("rows") / "rows.tsv"
+    subprocess.run(
+        [sys.executable, "-m", "training.data.synthetic", "--rows", "2000", "--out", str(tsv),
+         "--no-progress"],
+        cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    return tsv
+
+
+def _loadtest(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loadtest.run", *args],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_headless_run_writes_reports(gateway: str, rows_tsv: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    proc = _loadtest("--host", gateway, "--data", str(rows_tsv), "--examples", "50",
+                     "-u", "2", "-r", "2", "-t", "10s", "--out", str(out),
+                     "--slo-failure-ratio", "0")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["requests"] > 0 and s["failures"] == 0, s
+    assert s["model_name"] == "dlrm-tiny" and s["model_version"] == "1.0"
+    assert s["users"] == 2 and s["examples_per_request"] == 50 and len(s["commit"]) >= 7
+    assert s["p50_ms"] <= s["p99_ms"] <= s["max_ms"]
+    assert (out / "report.html").stat().st_size > 0
+    assert (out / "latency.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "locust_stats_history.csv").exists()
+
+
+@pytest.mark.slow
+def test_slo_gate_fails_with_an_impossible_limit(
+    gateway: str, rows_tsv: Path, tmp_path: Path
+) -> None:
+    # Two worker processes behind a master: also covers --processes.
+    proc = _loadtest("--host", gateway, "--data", str(rows_tsv), "-u", "2", "-r", "2",
+                     "-t", "4s", "--processes", "2", "--out", str(tmp_path / "r"),
+                     "--slo-p99-ms", "0.001")  # fmt: skip
+    assert proc.returncode == 3, proc.stdout + proc.stderr[-3000:]
+    assert "SLO: p99" in proc.stderr and "> limit 0.001 ms" in proc.stderr
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["requests"] > 0
