@@ -271,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(
         f"{summary['requests']} requests, {summary['failures']} failures, "
-        f"{summary['rps']:.1f} rps, p50 {summary['p50_ms']:g} ms, p99 {summary['p99_ms']:g} ms "
+        f"{summary['rps']:.1f} rps ({summary['rps'] * summary['examples_per_request']:,.0f} examples/s), "
+        f"p50 {summary['p50_ms']:g} ms, p95 {summary['p95_ms']:g} ms, p99 {summary['p99_ms']:g} ms "
         f"({out / 'summary.json'})"
     )
     if violation:
