@@ -146,3 +146,22 @@ def test_slo_gate_fails_with_an_impossible_limit(
     assert proc.returncode == 3, proc.stdout + proc.stderr[-3000:]
     assert "SLO: p99" in proc.stderr and "> limit 0.001 ms" in proc.stderr
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["requests"] > 0
+
+
+@pytest.mark.slow
+def test_step_load_finds_a_knee_and_calibration_names_the_bottleneck(
+    gateway: str, rows_tsv: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "steps"
+    proc = _loadtest("--host", gateway, "--data", str(rows_tsv), "--step-users", "1,2",
+                     "--step-duration", "3s", "--slo-p99-ms", "100000", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    steps = json.loads((out / "steps.json").read_text())
+    assert "knee" in json.dumps(steps) and (out / "step_1").is_dir() and (out / "step_2").is_dir()
+    assert "knee:" in proc.stdout
+    cal = tmp_path / "cal"
+    proc = _loadtest("--host", gateway, "--data", str(rows_tsv), "-u", "2", "-r", "2", "-t", "3s",
+                     "--calibrate", "--out", str(cal))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    s = json.loads((cal / "summary.json").read_text())
+    assert s["generator_ceiling_rps"] > 0 and s["bottleneck"] in ("server", "generator")
