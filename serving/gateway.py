@@ -26,12 +26,12 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from serving.backends import BackendError, BackendPool, read_inference_key
 from serving.codec import CodecError, decode_response, encode_request
 from serving.protos import ensure_generated
 from serving.validate import InvalidRequest, Limits, Schema, validate
 
 ensure_generated()
-from serving._gen import inference_pb2, inference_pb2_grpc  # noqa: E402
 from serving._gen.recsys.v1 import ranker_pb2, ranker_pb2_grpc  # noqa: E402
 
 logger = logging.getLogger("serving.gateway")
@@ -47,9 +47,11 @@ class GatewayConfig:
     host: str = os.environ.get("RECSYS_GATEWAY_HOST", "127.0.0.1")
     """Bind address (env RECSYS_GATEWAY_HOST)."""
     backend: str = os.environ.get("RECSYS_TS_GRPC", "127.0.0.1:7070")
-    """TorchServe gRPC inference address (env RECSYS_TS_GRPC)."""
-    key_file: Path = Path(os.environ.get("RECSYS_TS_KEY_FILE", "runs/serve/key_file.json"))
-    """TorchServe's key_file.json (token authorization); the inference key goes in metadata."""
+    """TorchServe gRPC inference address(es), comma-separated: round robin over the healthy
+    ones, failover on an outage (env RECSYS_TS_GRPC)."""
+    key_file: str = os.environ.get("RECSYS_TS_KEY_FILE", "runs/serve/key_file.json")
+    """TorchServe key_file.json path(s): one for all backends or one per backend,
+    comma-separated; the inference key goes in the call metadata (env RECSYS_TS_KEY_FILE)."""
     deadline_s: float = 2.0
     """Deadline of each call to TorchServe."""
     limits: Limits = field(default_factory=Limits)
@@ -58,71 +60,15 @@ class GatewayConfig:
     grace_s: float = 5.0
     """On SIGTERM: how long in-flight calls may finish."""
 
-
-def read_inference_key(path: Path) -> str:
-    import json
-
-    try:
-        return str(json.loads(path.read_text())["inference"]["key"])
-    except (OSError, KeyError, ValueError) as e:
-        raise RuntimeError(f"cannot read TorchServe's inference key from {path}: {e}") from None
-
-
-class KeySource:
-    """TorchServe writes new keys each time it starts: re-read the file when it changes."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._mtime = -1
-        self._metadata: tuple[tuple[str, str], ...] = ()
-
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        try:
-            mtime = self.path.stat().st_mtime_ns
-        except OSError:
-            return self._metadata  # TorchServe restarting: keep the last key, calls will say why
-        if mtime != self._mtime:
-            self._metadata = (("authorization", f"Bearer {read_inference_key(self.path)}"),)
-            self._mtime = mtime
-        return self._metadata
-
-
-_UNAVAILABLE_HINTS = ("worker", "not found", "unavailable", "503", "no worker", "connect")
-
-
-def map_backend_error(
-    e: grpc.aio.AioRpcError, client_bound: bool = False, deadline_s: float = 0.0
-) -> tuple[grpc.StatusCode, str]:
-    """TorchServe's status -> ours.
-
-    Outages are UNAVAILABLE (retryable): connection refused, a model without a live worker, and
-    no answer within the gateway's own backend deadline (as proxies map an upstream timeout).
-    DEADLINE_EXCEEDED only when the client's deadline was the one that ran out.
-    """
-    code, details = e.code(), (e.details() or "").strip()
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        if client_bound:
-            return code, "the call's deadline passed while TorchServe was scoring"
-        return grpc.StatusCode.UNAVAILABLE, (
-            f"TorchServe did not answer within {deadline_s:g}s: its workers are down, restarting or overloaded"
-        )
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return code, f"TorchServe is unreachable: {details or code.name}"
-    if code == grpc.StatusCode.PERMISSION_DENIED:  # keys rotate when TorchServe restarts
-        return grpc.StatusCode.UNAVAILABLE, f"TorchServe refused the gateway's key: {details}"
-    if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED) or any(
-        h in details.lower() for h in _UNAVAILABLE_HINTS
-    ):
-        return grpc.StatusCode.UNAVAILABLE, f"TorchServe: {details or code.name}"
-    return grpc.StatusCode.INTERNAL, f"TorchServe failed: {code.name}: {details}"
+    def key_files(self) -> list[Path]:
+        return [Path(p.strip()) for p in self.key_file.split(",") if p.strip()]
 
 
 class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
-    def __init__(self, cfg: GatewayConfig, schema: Schema, channel: grpc.aio.Channel) -> None:
+    def __init__(self, cfg: GatewayConfig, schema: Schema, pool: BackendPool) -> None:
         self.cfg = cfg
         self.schema = schema
-        self.stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
-        self.keys = KeySource(cfg.key_file)
+        self.pool = pool
 
     async def Score(
         self, request: ranker_pb2.ScoreRequest, context: grpc.aio.ServicerContext
@@ -143,23 +89,13 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         body = encode_request(
             torch.from_numpy(dense), torch.from_numpy(values), torch.from_numpy(lengths)
         )
-        remaining = context.time_remaining()
-        client_bound = remaining is not None and remaining < self.cfg.deadline_s
         try:
-            reply = await self.stub.Predictions(
-                inference_pb2.PredictionsRequest(
-                    model_name=self.schema.model_name, model_version=version, input={"data": body}
-                ),
-                metadata=self.keys.metadata(),
-                timeout=min(remaining, self.cfg.deadline_s)
-                if client_bound
-                else self.cfg.deadline_s,
-            )
-        except grpc.aio.AioRpcError as e:
-            code, message = map_backend_error(e, client_bound, self.cfg.deadline_s)
-            await context.abort(code, message)
+            prediction, backend = await self.pool.predict(body, version, context.time_remaining())
+        except BackendError as e:
+            await context.abort(e.code, e.message)
+        await context.send_initial_metadata((("x-recsys-backend", backend),))
         try:
-            scores = decode_response(reply.prediction)
+            scores = decode_response(prediction)
         except CodecError as e:  # includes the handler refusing a request we validated: a bug
             await context.abort(
                 grpc.StatusCode.INTERNAL, f"TorchServe's reply does not decode: {e}"
@@ -177,39 +113,19 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
 
 
 async def poll_health(
-    cfg: GatewayConfig,
-    schema: Schema,
-    channel: grpc.aio.Channel,
-    servicer: health.aio.HealthServicer,
+    cfg: GatewayConfig, schema: Schema, pool: BackendPool, servicer: health.aio.HealthServicer
 ) -> None:
-    """SERVING while a tiny real request succeeds; NOT_SERVING otherwise."""
-    stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
-    probe = encode_request(
-        torch.zeros(1, len(schema.dense)), torch.zeros(0, dtype=torch.int64),
-        torch.zeros(len(schema.sparse), 1, dtype=torch.int32),
-    )  # fmt: skip
-    keys = KeySource(cfg.key_file)
+    """SERVING while at least one backend answers a probe request; NOT_SERVING otherwise."""
     status = None
     while True:
-        try:
-            await stub.Predictions(
-                inference_pb2.PredictionsRequest(
-                    model_name=schema.model_name,
-                    model_version=schema.model_version,
-                    input={"data": probe},
-                ),
-                metadata=keys.metadata(),
-                timeout=cfg.deadline_s,
-            )
-            new = health_pb2.HealthCheckResponse.SERVING
-        except (grpc.aio.AioRpcError, RuntimeError):
-            new = health_pb2.HealthCheckResponse.NOT_SERVING
+        ok = await pool.refresh(schema.model_version, len(schema.dense), len(schema.sparse))
+        new = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ok
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         if new != status:
-            logger.info(
-                "backend %s is %s",
-                cfg.backend,
-                health_pb2.HealthCheckResponse.ServingStatus.Name(new),
-            )
+            logger.info("gateway is %s", health_pb2.HealthCheckResponse.ServingStatus.Name(new))
             status = new
             for name in ("", SERVICE):
                 await servicer.set(name, new)
@@ -223,9 +139,15 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         ("grpc.max_receive_message_length", 2 * cfg.limits.max_request_bytes),
         ("grpc.max_send_message_length", 2 * cfg.limits.max_request_bytes),
     ]
-    channel = grpc.aio.insecure_channel(cfg.backend, options=options)
+    pool = BackendPool(
+        [t.strip() for t in cfg.backend.split(",") if t.strip()],
+        cfg.key_files(),
+        schema.model_name,
+        cfg.deadline_s,
+        options,
+    )
     server = grpc.aio.server(options=options)
-    ranker_pb2_grpc.add_RankerServicer_to_server(Ranker(cfg, schema, channel), server)
+    ranker_pb2_grpc.add_RankerServicer_to_server(Ranker(cfg, schema, pool), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE):
@@ -243,7 +165,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         schema.model_name,
         schema.model_version,
     )
-    poller = asyncio.create_task(poll_health(cfg, schema, channel, health_servicer))
+    poller = asyncio.create_task(poll_health(cfg, schema, pool, health_servicer))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -256,7 +178,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(cfg.grace_s)
-    await channel.close()
+    await pool.close()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
@@ -277,13 +199,13 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     p.add_argument(
         "--backend",
         default=d.backend,
-        help="TorchServe gRPC inference host:port (env RECSYS_TS_GRPC)",
+        help="TorchServe gRPC inference host:port[,host:port...]: round robin over the healthy "
+        "ones (env RECSYS_TS_GRPC)",
     )
     p.add_argument(
         "--key-file",
-        type=Path,
         default=d.key_file,
-        help="TorchServe key_file.json (env RECSYS_TS_KEY_FILE)",
+        help="TorchServe key_file.json, or one per backend, comma-separated (env RECSYS_TS_KEY_FILE)",
     )
     p.add_argument(
         "--deadline",
@@ -309,7 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     try:
         Schema.load(cfg.schema)
-        read_inference_key(cfg.key_file)
+        backends = [t for t in cfg.backend.split(",") if t.strip()]
+        if len(cfg.key_files()) not in (1, len(backends)):
+            raise ValueError(f"{len(cfg.key_files())} key files for {len(backends)} backends")
+        for path in cfg.key_files():
+            read_inference_key(path)
     except (OSError, KeyError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,290 @@
+"""docker-compose.yml and docker/ checked without a Docker engine (fast, CI).
+
+``docker-compose config`` (Compose 1.29, Debian's package; ``.ci/run`` installs it) validates
+the file against the compose schema it bundles and interpolates it, once per profile. The rest
+reads the resolved file: build files and targets exist, bind-mounted host paths exist (or are
+made by a make target), every ``python -m <module>`` / script / CLI and every flag a command
+passes is real (checked against its ``--help``), ports agree with the servers' defaults, every
+``${VAR}`` has a default, and no service carries a secret.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+BIN = Path(sys.executable).parent
+PROFILES = ["train", "load", "gpu"]
+# Host folders the stack writes: absent from a clean clone, made by the make targets (and by
+# the compose services themselves); docs/deploy.md says to `mkdir -p` them before `up`.
+MADE_BY_MAKE = {
+    "runs": "make train / make export (and the trainer/export services)",
+    "model_store": "make export (and the export service)",
+    "data": "make train (synthetic data, data/cache)",
+    "reports": "make loadtest (and locust-master)",
+}
+LOCUST_MASTER_PORT = 5557  # Locust's own default (its --help says so; checked below)
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.I)
+
+
+def compose_bin() -> str:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("docker-compose not installed (`apt-get install docker-compose`; .ci/run does)")
+    return exe
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without the stack's variables: the file's own defaults apply."""
+    drop = ("RECSYS_", "PRESET", "NPROC", "QUANT", "USERS", "SPAWN_RATE", "DURATION", "LOCUST")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+def compose_config(*profiles: str) -> subprocess.CompletedProcess[str]:
+    args = [a for p in profiles for a in ("--profile", p)]
+    return subprocess.run(
+        [compose_bin(), "-f", str(COMPOSE), *args, "config"],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@functools.cache
+def resolved() -> dict:
+    proc = compose_config(*PROFILES)
+    assert proc.returncode == 0, proc.stderr
+    return yaml.safe_load(proc.stdout)
+
+
+def services() -> dict[str, dict]:
+    return resolved()["services"]
+
+
+@pytest.mark.parametrize("profiles", [(), *[(p,) for p in PROFILES], tuple(PROFILES)])
+def test_compose_config_is_valid(profiles: tuple[str, ...]) -> None:
+    proc = compose_config(*profiles)
+    assert proc.returncode == 0, proc.stderr
+    assert "is not set" not in proc.stderr, proc.stderr  # a ${VAR} without a default
+
+
+def test_every_variable_has_a_default() -> None:
+    lines = COMPOSE.read_text().splitlines()
+    text = "\n".join(ln for ln in lines if not ln.lstrip().startswith("#"))
+    text = text.replace("$$", "")  # escaped: expanded by the container's shell, not compose
+    bare = re.findall(r"\$([A-Za-z_]\w*)", text)
+    assert not bare, f"use ${{VAR:-default}}, not ${bare}"
+    missing = [m[0] for m in re.findall(r"\$\{(\w+)(:?-[^}]*)?\}", text) if not m[1]]
+    assert not missing, f"no default for {sorted(set(missing))}"
+
+
+# --- build: Dockerfiles and targets -----------------------------------------------------------
+
+
+def test_dockerfiles_and_targets_exist() -> None:
+    built = 0
+    for name, svc in services().items():
+        build = svc.get("build")
+        if build is None:
+            image = svc["image"]
+            assert any(s.get("image") == image and "build" in s for s in services().values()), (
+                f"{name}: image {image} is built by no service"
+            )
+            continue
+        context = Path(build["context"])
+        dockerfile = context / build.get("dockerfile", "Dockerfile")
+        assert dockerfile.is_file(), f"{name}: {dockerfile} missing"
+        targets = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", dockerfile.read_text(), re.I | re.M)
+        assert build.get("target") in targets, (
+            f"{name}: target {build.get('target')} not in {targets}"
+        )
+        built += 1
+    assert built >= 4
+
+
+def test_dockerignore_keeps_state_and_keys_out() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for entry in (".venv", "runs", "model_store", "data", "**/key_file.json"):
+        assert entry in ignored
+
+
+# --- volumes ----------------------------------------------------------------------------------
+
+
+def test_bind_mounts_exist_or_are_made_by_make() -> None:
+    for name, svc in services().items():
+        for vol in svc.get("volumes", []):
+            source = vol["source"] if isinstance(vol, dict) else vol.split(":")[0]
+            if not source.startswith("/"):  # a named volume
+                assert source in resolved().get("volumes", {}), f"{name}: {vol}"
+                continue
+            rel = Path(source).relative_to(ROOT)
+            assert rel.exists() or str(rel) in MADE_BY_MAKE, f"{name}: {rel} is not in the repo"
+
+
+def test_torchserve_replicas_have_their_own_key_file_and_gateway_lists_them() -> None:
+    svcs = services()
+    replicas = sorted(n for n in svcs if re.fullmatch(r"torchserve-\d+", n))
+    assert len(replicas) >= 2
+    workdirs = [svcs[n]["environment"]["RECSYS_TS_WORKDIR"] for n in replicas]
+    assert len(set(workdirs)) == len(workdirs)
+    gateway = svcs["gateway"]
+    for n in replicas:
+        assert gateway["depends_on"][n]["condition"] == "service_healthy"
+    argv = shlex.split(command_lines(gateway["command"])[0])
+    backends = argv[argv.index("--backend") + 1].split(",")
+    keys = argv[argv.index("--key-file") + 1].split(",")
+    assert [b.split(":")[0] for b in backends] == replicas
+    assert keys == [f"{w}/key_file.json" for w in workdirs]
+
+
+# --- commands: modules, scripts, flags --------------------------------------------------------
+
+
+def command_lines(cmd: list[str] | str | None) -> list[str]:
+    """Each simple command of a service command or healthcheck, as a shell string."""
+    if cmd is None:
+        return []
+    argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+    if argv and argv[0] in ("CMD", "CMD-SHELL"):
+        argv = argv[1:]
+    if argv[:2] == ["sh", "-c"]:
+        return [c.strip() for c in re.split(r"&&|;|\|\|", argv[2]) if c.strip()]
+    return [shlex.join(argv)]
+
+
+def invocations() -> list[tuple[str, list[str], list[str]]]:
+    """``(service, program, flags)``: program is ``-m <module>``, a script path or a CLI."""
+    out = []
+    for name, svc in services().items():
+        cmds = [svc.get("command"), svc.get("healthcheck", {}).get("test")]
+        for line in (c for cmd in cmds for c in command_lines(cmd)):
+            argv = shlex.split(line)
+            if argv[0] == "exec":
+                argv = argv[1:]
+            if argv[0] == "mkdir":
+                continue
+            if argv[0] == "torchrun":
+                i = argv.index("-m")
+                out.append((name, ["torchrun"], flags(argv[1:i])))
+                argv = ["python", *argv[i:]]
+            if argv[0] == "python":
+                prog = argv[1:3] if argv[1] == "-m" else argv[1:2]
+                out.append((name, prog, flags(argv[1 + len(prog) :])))
+            else:
+                out.append((name, argv[:1], flags(argv[1:])))
+    return out
+
+
+def flags(args: list[str]) -> list[str]:
+    return [a.split("=")[0] for a in args if a.startswith("--")]
+
+
+@functools.cache
+def help_text(prog: tuple[str, ...]) -> str:
+    if prog[0] == "-m" or prog[0].endswith(".py"):
+        argv = [sys.executable, *prog]
+    else:
+        argv = [str(BIN / prog[0]) if (BIN / prog[0]).exists() else prog[0]]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [*argv, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, f"{shlex.join(argv)} --help failed:\n{proc.stderr[-2000:]}"
+    return proc.stdout
+
+
+def test_modules_and_scripts_are_entry_points() -> None:
+    for name, prog, _ in invocations():
+        if prog[0] == "-m":
+            mod = prog[1]
+            path = ROOT / Path(*mod.split("."))
+            src = path / "__main__.py" if path.is_dir() else path.with_suffix(".py")
+            assert src.is_file(), f"{name}: python -m {mod}: no {src.relative_to(ROOT)}"
+            text = src.read_text()
+            runs = "main(" in text if src.name == "__main__.py" else "__main__" in text
+            assert "def main(" in text or "import main" in text, f"{name}: {mod} has no main"
+            assert runs, f"{name}: python -m {mod} would not run main()"
+        elif prog[0].endswith(".py"):
+            assert (ROOT / prog[0]).is_file(), f"{name}: {prog[0]} missing"
+        else:
+            assert prog[0] in ("torchrun", "locust"), f"{name}: unexpected program {prog[0]}"
+
+
+def test_every_flag_is_in_the_programs_help() -> None:
+    calls = [c for c in invocations() if c[2]]  # programs called with flags
+    progs = sorted({tuple(p) for _, p, _ in calls})
+    with ThreadPoolExecutor(len(progs)) as pool:  # the --help runs import torch: in parallel
+        texts = dict(zip(progs, pool.map(help_text, progs), strict=True))
+    for name, prog, used in calls:
+        for flag in used:
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", texts[tuple(prog)]), (
+                f"{name}: {' '.join(prog)} has no {flag}"
+            )
+
+
+# --- ports and environment --------------------------------------------------------------------
+
+
+@functools.cache
+def port_defaults() -> dict[str, int]:
+    """Port variable -> default, read from the code that reads it."""
+    from serving.torchserve import PORT_ENV, TorchServeConfig
+
+    saved = {v: os.environ.pop(v) for v in PORT_ENV.values() if v in os.environ}
+    try:
+        cfg = TorchServeConfig()
+    finally:
+        os.environ.update(saved)
+    out = {var: getattr(cfg, field) for field, var in PORT_ENV.items()}
+    gateway = (ROOT / "serving/gateway.py").read_text()
+    m = re.search(r'environ\.get\("RECSYS_GATEWAY_PORT", "(\d+)"\)', gateway)
+    assert m, "serving/gateway.py no longer reads RECSYS_GATEWAY_PORT"
+    out["RECSYS_GATEWAY_PORT"] = int(m.group(1))
+    return out
+
+
+def test_port_variables_and_defaults_match_the_code() -> None:
+    defaults = port_defaults()
+    for var, value in re.findall(r"\$\{(RECSYS_\w*PORT):-(\d+)\}", COMPOSE.read_text()):
+        assert var in defaults, f"{var} is read by no server"
+        assert int(value) == defaults[var], f"{var}: compose {value}, code {defaults[var]}"
+
+
+def test_published_and_exposed_ports_are_the_defaults() -> None:
+    assert f"Defaults to {LOCUST_MASTER_PORT}" in help_text(("locust",))
+    known = {*port_defaults().values(), LOCUST_MASTER_PORT}
+    published = []
+    for name, svc in services().items():
+        for p in svc.get("ports", []):
+            assert int(p["target"]) in known, f"{name}: port {p}"
+            assert int(p["published"]) == int(p["target"]), f"{name}: port {p}"
+            published.append(int(p["target"]))
+        for p in svc.get("expose", []):
+            assert int(p) in known, f"{name}: exposed {p}"
+    assert published == [port_defaults()["RECSYS_GATEWAY_PORT"]]  # the gateway is the public face
+
+
+def test_environment_names_are_read_by_the_code_and_hold_no_secret() -> None:
+    code = "".join(
+        p.read_text() for d in ("serving", "loadtest", "docker") for p in (ROOT / d).glob("*.py")
+    )
+    for name, svc in services().items():
+        for var, value in (svc.get("environment") or {}).items():
+            if var.startswith(("RECSYS_", "LOADTEST_")):
+                assert f'"{var}"' in code or f"{var}=" in code, f"{name}: {var} is read by nothing"
+            if SECRET_NAME.search(var):
+                assert not value or value.startswith("/"), f"{name}: {var} holds a literal value"
+            assert not re.fullmatch(r"[A-Za-z0-9_\-]{24,}", str(value or "")), (
+                f"{name}: {var} looks like a secret"
+            )

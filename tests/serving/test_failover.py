@@ -1,0 +1,127 @@
+"""Two TorchServe replicas behind one gateway: stop one under load, then bring it back."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from serving import torchserve as ts
+from serving.client import build_request
+from serving.protos import ensure_generated
+from tests.conftest import ROOT, _env
+from tests.serving.test_gateway import _wait_status
+from tests.serving.test_torchserve import _ours
+
+ensure_generated()
+from serving._gen.recsys.v1 import ranker_pb2_grpc  # noqa: E402
+
+pytestmark = pytest.mark.slow
+DEADLINE_S = 1.0
+
+
+def _replica(store: Path, workdir: Path) -> ts.TorchServeConfig:
+    p = ts.free_ports(5)
+    return ts.TorchServeConfig(
+        inference_port=p[0], management_port=p[1], metrics_port=p[2], grpc_inference_port=p[3],
+        grpc_management_port=p[4], model_store=store, mar_file="dlrm-tiny-1.0.mar",
+        model_name="dlrm-tiny", model_version="1.0", workdir=workdir,
+    )  # fmt: skip
+
+
+def _start(cfg: ts.TorchServeConfig) -> subprocess.Popen[bytes]:
+    proc = ts.start(cfg)
+    ts.wait_ready(cfg, timeout=240, proc=proc)
+    return proc
+
+
+class Load:
+    """Threads calling Score in a loop, recording (time, outcome, backend)."""
+
+    def __init__(self, stub: ranker_pb2_grpc.RankerStub, request: object, threads: int = 3) -> None:
+        self.stub, self.request = stub, request
+        self.records: list[tuple[float, str, str]] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run) for _ in range(threads)]
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            t = time.monotonic()
+            try:
+                _, call = self.stub.Score.with_call(self.request, timeout=10)
+                backend = dict(call.initial_metadata()).get("x-recsys-backend", "?")
+                self.records.append((t, "OK", backend))
+            except grpc.RpcError as e:
+                self.records.append((t, e.code().name, ""))
+            time.sleep(0.01)
+
+    def window(self, start: float, end: float) -> tuple[Counter[str], Counter[str]]:
+        rows = [r for r in self.records if start <= r[0] < end]
+        return Counter(r[1] for r in rows), Counter(r[2] for r in rows if r[1] == "OK")
+
+
+def test_stopping_a_replica_fails_nothing_after_one_deadline(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    export, store, _ = exported
+    a, b = _replica(store, tmp_path / "a"), _replica(store, tmp_path / "b")
+    procs = {"a": _start(a), "b": _start(b)}
+    port = ts.free_ports(1)[0]
+    target = f"127.0.0.1:{port}"
+    with (tmp_path / "gateway.log").open("wb") as log:
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "serving.gateway", "--schema", str(export / "schema.json"),
+             "--port", str(port), "--backend", f"{a.grpc_inference_target},{b.grpc_inference_target}",
+             "--key-file", f"{a.key_file},{b.key_file}", "--deadline", str(DEADLINE_S)],
+            cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    s = np.load(export / "sample.npz")
+    dense = s["dense"][:8]
+    sparse = np.full((8, 26), 7, dtype=np.int64)
+    with grpc.insecure_channel(target) as channel:
+        load = Load(ranker_pb2_grpc.RankerStub(channel), build_request(dense, sparse))
+        try:
+            _wait_status(target, "SERVING", 60)
+            time.sleep(1.5)  # both replicas probed healthy
+            for t in load.threads:
+                t.start()
+            time.sleep(3)
+            t_stop = time.monotonic()
+            ts.stop(procs["a"], timeout=10)
+            time.sleep(4)
+            t_restart = time.monotonic()
+            procs["a"] = _start(a)
+            time.sleep(4)
+            t_end = time.monotonic()
+        finally:
+            load.stop.set()
+            for t in load.threads:
+                if t.is_alive():
+                    t.join()
+            gateway.send_signal(signal.SIGTERM)
+            gateway.wait(timeout=30)
+            for p in procs.values():
+                ts.stop(p)
+    outcomes, by_backend = load.window(t_stop - 3, t_stop)
+    assert set(outcomes) == {"OK"} and set(by_backend) == {
+        a.grpc_inference_target,
+        b.grpc_inference_target,
+    }
+    # After the first deadline, no request fails and the traffic goes on on the other replica.
+    outcomes, by_backend = load.window(t_stop + DEADLINE_S + 0.5, t_restart)
+    assert set(outcomes) == {"OK"}, outcomes
+    assert set(by_backend) == {b.grpc_inference_target} and sum(by_backend.values()) > 20
+    # Once a is back (new keys) and probed healthy, traffic returns to both, still without failures.
+    outcomes, by_backend = load.window(t_end - 2, t_end)
+    assert set(outcomes) == {"OK"}, outcomes
+    assert by_backend[a.grpc_inference_target] > 0 and by_backend[b.grpc_inference_target] > 0
+    assert not _ours(tmp_path)
