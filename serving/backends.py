@@ -28,6 +28,11 @@ ensure_generated()
 from serving._gen import inference_pb2, inference_pb2_grpc  # noqa: E402
 
 logger = logging.getLogger("serving.backends")
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 _UNAVAILABLE_HINTS = ("worker", "not found", "unavailable", "503", "no worker", "connect")
 
 
@@ -117,9 +122,12 @@ class BackendPool:
                 f"{len(key_files)} key files for {len(targets)} backends: give one, or one per backend"
             )
         files = list(key_files) * len(targets) if len(key_files) == 1 else list(key_files)
+        # gRPC backs off reconnecting up to 120 s by default: a replica restarted after a long
+        # outage would stay out of rotation that long. Retry at least every second instead.
+        channel_options = [*options, *RECONNECT_OPTIONS]
         self.backends = []
         for target, key_file in zip(targets, files, strict=True):
-            channel = grpc.aio.insecure_channel(target, options=list(options))
+            channel = grpc.aio.insecure_channel(target, options=channel_options)
             stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
             self.backends.append(Backend(target, KeySource(key_file), channel, stub))
         self.model_name = model_name

@@ -100,7 +100,14 @@ def test_stopping_a_replica_fails_nothing_after_one_deadline(
             time.sleep(4)
             t_restart = time.monotonic()
             procs["a"] = _start(a)
-            time.sleep(4)
+            # Back in rotation after a probe (every 1 s) once the channel reconnects (the gateway
+            # caps gRPC's reconnect backoff at 1 s); allow a loaded CI machine some slack.
+            t_back = time.monotonic()
+            while time.monotonic() - t_back < 20:
+                if load.window(time.monotonic() - 1, time.monotonic())[1][a.grpc_inference_target]:
+                    break
+                time.sleep(0.2)
+            time.sleep(2)
             t_end = time.monotonic()
         finally:
             load.stop.set()
