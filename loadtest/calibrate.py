@@ -22,8 +22,9 @@ from typing import Any
 
 import grpc
 
-from loadtest.run import ROOT, LoadConfig, _free_port, default_data, run_locust
+from loadtest.run import ROOT, LoadConfig, default_data, run_locust
 from serving.protos import ensure_generated
+from serving.torchserve import free_ports
 
 ensure_generated()
 from serving._gen.recsys.v1 import ranker_pb2, ranker_pb2_grpc  # noqa: E402
@@ -48,7 +49,7 @@ def start_noop(port: int, threads: int = 16) -> grpc.Server:
 
 def ceiling_run(cfg: LoadConfig, out: Path) -> dict[str, Any]:
     """``cfg``'s load (users, duration, examples, processes) against a no-op server -> summary."""
-    port = _free_port()
+    port = free_ports(1)[0]
     server = start_noop(port)
     try:
         s = run_locust(cfg, f"127.0.0.1:{port}", cfg.users, cfg.duration, out, cfg.spawn_rate)

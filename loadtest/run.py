@@ -26,7 +26,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import report
+from serving.torchserve import free_ports
 
 log = logging.getLogger("loadtest")
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,12 +95,6 @@ def default_data() -> Path:
     return found[0]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_locust(
     cfg: LoadConfig, host: str, users: int, duration: str, out: Path, spawn_rate: float
 ) -> dict[str, Any]:
@@ -117,7 +111,7 @@ def run_locust(
     logf = (out / "locust.log").open("wb")
     try:
         if cfg.processes > 1:
-            port = _free_port()
+            port = free_ports(1)[0]
             cmd += ["--master", "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port),
                     "--expect-workers", str(cfg.processes), "--expect-workers-max-wait", "60"]  # fmt: skip
             wcmd = [*base, "--worker", "--master-host", "127.0.0.1", "--master-port", str(port)]

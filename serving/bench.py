@@ -36,6 +36,7 @@ import numpy as np
 
 from serving import torchserve as ts
 from serving.client import build_request
+from serving.codec import to_rows
 from serving.protos import ensure_generated
 from serving.stack import gateway_status
 
@@ -69,16 +70,8 @@ def build_model(workdir: Path, max_rows: int) -> Path:
 
 def inputs(export: Path, examples: int) -> dict[str, Any]:
     s = np.load(export / "sample.npz")
-    lengths, values = s["lengths"][:, :examples], s["values"]
-    full = s["lengths"]
-    sparse = np.full((examples, full.shape[0]), -1, dtype=np.int64)
-    pos = 0
-    for f in range(full.shape[0]):
-        present = full[f] > 0
-        col = values[pos : pos + int(present.sum())]
-        idx = np.nonzero(present[:examples])[0]
-        sparse[idx, f] = col[: len(idx)]
-        pos += int(full[f].sum())
+    lengths = s["lengths"][:, :examples]
+    sparse = to_rows(s["values"], s["lengths"])[:examples]
     dense = s["dense"][:examples]
     names = [f"C{i}" for i in range(1, 27)]
     instances = [

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import torch
 
 MAGIC = b"RSB1"
@@ -129,3 +130,26 @@ def decode_json(
             raise CodecError(f"instances[{i}]: {type(e).__name__}: {e}") from None
     values_t = torch.tensor([x for per in ids for x in per], dtype=torch.int64)
     return dense, values_t, lengths
+
+
+def slice_examples(
+    dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, lo: int, hi: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Examples ``[lo, hi)`` of an encoded batch, still feature-major."""
+    by_feature = torch.split(values, lengths.sum(dim=1).tolist())
+    parts = [
+        f[int(ln[:lo].sum()) : int(ln[:hi].sum())]
+        for f, ln in zip(by_feature, lengths, strict=True)
+    ]
+    return dense[lo:hi].contiguous(), torch.cat(parts), lengths[:, lo:hi].contiguous()
+
+
+def to_rows(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Feature-major ``values``/``lengths int[F,B]`` with at most one id per (feature, example)
+    -> row-major raw ids ``int64[B, F]``, -1 = missing: what a client starts from."""
+    if (lengths > 1).any():
+        raise CodecError("to_rows needs at most one id per feature and example")
+    sparse = np.full(lengths.shape[::-1], -1, dtype=np.int64)
+    present = lengths.T > 0  # [B, F]
+    sparse.T[present.T] = values  # feature-major order, like the encoding
+    return sparse

@@ -184,7 +184,11 @@ def resolve(resume: str, root: Path) -> Path | None:
         if latest is None and any(root.glob("step_*" + PARTIAL)):
             logger.warning("%s has only interrupted saves; starting fresh", root)
         return latest
-    path = Path(resume)
+    return check_complete(Path(resume))
+
+
+def check_complete(path: Path) -> Path:
+    """``path`` if it is a complete checkpoint, else CheckpointError saying why not."""
     if not path.is_dir():
         raise CheckpointError(f"checkpoint not found: {path}")
     if not is_complete(path):
@@ -192,6 +196,14 @@ def resolve(resume: str, root: Path) -> Path | None:
             f"checkpoint {path} is incomplete (no .metadata or {META}): its save was interrupted"
         )
     return path
+
+
+def _saved_metadata(path: Path) -> dict[str, Any]:
+    """DCP's per-key metadata of a checkpoint; any read/unpickle failure makes it unusable."""
+    try:
+        return dict(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read its DCP metadata ({e})") from None
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -230,10 +242,7 @@ def load(
     are left freshly initialized and returned so the caller can say so; a missing or
     mismatched *model* tensor is an error.
     """
-    try:
-        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as e:  # any read/unpickle failure means the checkpoint is unusable
-        raise CheckpointError(f"checkpoint {path}: cannot read its DCP metadata ({e})") from None
+    saved = _saved_metadata(path)
     flat, mapping = flatten_state_dict(state)
     direct: dict[str, Any] = {}
     convert: list[str] = []
@@ -330,10 +339,7 @@ def read_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
 
     For inspection and tests (no process group needed); export loads through the model.
     """
-    try:
-        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path}: cannot read its DCP metadata ({e})") from None
+    saved = _saved_metadata(path)
     out = {
         k: torch.empty(md.size, dtype=md.properties.dtype)
         for k, md in saved.items()

@@ -12,8 +12,8 @@ import pytest
 
 from loadtest import report
 from loadtest.run import seconds
+from serving.torchserve import free_ports
 from tests.conftest import ROOT, _env
-from tests.serving.test_torchserve import _free_ports
 
 STATS_HEADER = (
     "Type,Name,Request Count,Failure Count,Median Response Time,Average Response Time,"
@@ -82,7 +82,7 @@ def gateway(
 ) -> Iterator[str]:
     """`python -m serving.stack start` on free ports (as a user runs it); stopped afterwards."""
     export, store, _ = exported
-    ports = _free_ports(6)
+    ports = free_ports(6)
     names = ["INFERENCE", "MANAGEMENT", "METRICS", "GRPC_INFERENCE", "GRPC_MANAGEMENT"]
     env = _env({f"RECSYS_TS_{n}_PORT": str(p) for n, p in zip(names, ports[:5], strict=True)})
     env["RECSYS_GATEWAY_PORT"] = str(ports[5])

@@ -18,10 +18,12 @@ import pytest
 
 from serving import torchserve as ts
 from serving.client import build_request
+from serving.codec import to_rows
 from serving.protos import ensure_generated
 from serving.stack import gateway_status
+from serving.torchserve import free_ports
 from tests.conftest import ROOT, _env
-from tests.serving.test_torchserve import _free_ports, _ours
+from tests.serving.test_torchserve import _ours
 
 ensure_generated()
 from serving._gen.recsys.v1 import ranker_pb2, ranker_pb2_grpc  # noqa: E402
@@ -60,7 +62,7 @@ def stack(
     exported: tuple[Path, Path, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     export, store, _ = exported
-    ports = _free_ports(6)
+    ports = free_ports(6)
     workdir = tmp_path_factory.mktemp("gw")
     cfg = ts.TorchServeConfig(
         inference_port=ports[0], management_port=ports[1], metrics_port=ports[2],
@@ -81,14 +83,7 @@ def stack(
     s = np.load(export / "sample.npz")
     rows = {k: s[k] for k in s.files}
     # sample.npz holds encoded inputs; rebuild the row-major arrays a client starts from.
-    lengths, values = rows["lengths"], rows["values"]
-    sparse = np.full((lengths.shape[1], lengths.shape[0]), -1, dtype=np.int64)
-    pos = 0
-    for f in range(lengths.shape[0]):
-        present = lengths[f] > 0
-        sparse[present, f] = values[pos : pos + int(present.sum())]
-        pos += int(lengths[f].sum())
-    rows["sparse"] = sparse
+    rows["sparse"] = to_rows(rows["values"], rows["lengths"])
     st = Stack(cfg, torchserve, gateway, target, ranker_pb2_grpc.RankerStub(channel), rows)
     try:
         _wait_status(target, "SERVING", 120)

@@ -17,6 +17,7 @@ from serving.codec import (
     decode_response,
     encode_request,
     encode_response,
+    slice_examples,
 )
 from serving.handler import choose_device, cpu_threads
 from serving.scoring import ScoringModel
@@ -26,14 +27,6 @@ def _sample(export: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.
     s = np.load(export / "sample.npz")
     return (torch.from_numpy(s["dense"]), torch.from_numpy(s["values"]),
             torch.from_numpy(s["lengths"]), s["probs_int8"])  # fmt: skip
-
-
-def _slice(dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, lo: int, hi: int):
-    by_feature = torch.split(values, lengths.sum(dim=1).tolist())
-    vals = torch.cat(
-        [f[ln[:lo].sum() : ln[:hi].sum()] for f, ln in zip(by_feature, lengths, strict=True)]
-    )
-    return dense[lo:hi].contiguous(), vals, lengths[:, lo:hi].contiguous()
 
 
 def test_codec_round_trip() -> None:
@@ -103,7 +96,8 @@ def test_batched_requests_of_different_sizes_score_like_separate_ones(
     dense, values, lengths, expected = _sample(export)
     cuts = [(0, 1), (1, 8), (8, 108), (108, 600)]
     requests = [
-        model.decode(encode_request(*_slice(dense, values, lengths, lo, hi))) for lo, hi in cuts
+        model.decode(encode_request(*slice_examples(dense, values, lengths, lo, hi)))
+        for lo, hi in cuts
     ]
     outs = model.forward(requests)
     for (lo, hi), out in zip(cuts, outs, strict=True):

@@ -11,15 +11,16 @@ import numpy as np
 import psutil
 import pytest
 
+from serving.codec import to_rows
+from serving.torchserve import free_ports
 from tests.conftest import ROOT, _env
-from tests.serving.test_torchserve import _free_ports
 
 pytestmark = pytest.mark.slow
 
 
 def test_serve_score_stop(exported: tuple[Path, Path, str], tmp_path: Path) -> None:
     export, store, _ = exported
-    ports = _free_ports(6)
+    ports = free_ports(6)
     names = ["INFERENCE", "MANAGEMENT", "METRICS", "GRPC_INFERENCE", "GRPC_MANAGEMENT"]
     env = _env({f"RECSYS_TS_{n}_PORT": str(p) for n, p in zip(names, ports, strict=False)})
     env["RECSYS_GATEWAY_PORT"] = str(ports[5])
@@ -75,14 +76,10 @@ def test_serve_score_stop(exported: tuple[Path, Path, str], tmp_path: Path) -> N
 
 
 def _tsv_rows(s: np.lib.npyio.NpzFile, n: int) -> str:
-    lengths, values, dense = s["lengths"], s["values"], s["dense"]
-    per_feature = np.split(values, np.cumsum(lengths.sum(axis=1))[:-1])
+    sparse = to_rows(s["values"], s["lengths"])
     lines = []
     for i in range(n):
-        ints = [str(int(x)) if x else "" for x in dense[i]]
-        ids = []
-        for f in range(26):
-            start = int(lengths[f, :i].sum())
-            ids.append(f"{int(per_feature[f][start]):08x}" if lengths[f, i] else "")
+        ints = [str(int(x)) if x else "" for x in s["dense"][i]]
+        ids = [f"{int(x):08x}" if x >= 0 else "" for x in sparse[i]]
         lines.append("\t".join(["0", *ints, *ids]))
     return "\n".join(lines) + "\n"

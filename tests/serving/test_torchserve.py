@@ -26,6 +26,7 @@ from serving.torchserve import (
     PORT_ENV,
     RequestRejected,
     TorchServeConfig,
+    free_ports,
     group_members,
     inference_key,
     read_keys,
@@ -35,7 +36,6 @@ from serving.torchserve import (
     wait_ready,
     write_properties,
 )
-from serving.torchserve import free_ports as _free_ports
 
 ensure_generated()
 from serving._gen import inference_pb2, inference_pb2_grpc  # noqa: E402
@@ -138,7 +138,7 @@ def served(
     exported: tuple[Path, Path, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TorchServeConfig, str, Sample]]:
     export, store, _ = exported
-    ports = _free_ports(5)
+    ports = free_ports(5)
     cfg = TorchServeConfig(
         inference_port=ports[0],
         management_port=ports[1],

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from serving.codec import slice_examples
 from tests.conftest import run_export
 
 pytestmark = pytest.mark.slow
@@ -86,14 +87,9 @@ def test_batch_scores_equal_per_row_scores_at_any_batch_size(
     m = torch.jit.load(str(export / f"model_{variant}.pt"))
     s = np.load(export / "sample.npz")
     dense, values, lengths = (torch.from_numpy(s[k]) for k in ("dense", "values", "lengths"))
-    per_feature = lengths.sum(dim=1).tolist()
-    by_feature = torch.split(values, per_feature)
 
     def rows(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        starts = [ln[:lo].sum() for ln in lengths]
-        ends = [ln[:hi].sum() for ln in lengths]
-        vals = torch.cat([f[a:b] for f, a, b in zip(by_feature, starts, ends, strict=True)])
-        return dense[lo:hi], vals, lengths[:, lo:hi].contiguous()
+        return slice_examples(dense, values, lengths, lo, hi)
 
     with torch.inference_mode():
         full = m(dense, values, lengths)

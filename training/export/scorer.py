@@ -59,14 +59,7 @@ class Scorer(nn.Module):
 
 def load_dlrm(ckpt: Path) -> tuple[DLRM, Config, dict[str, Any]]:
     """The pure DLRM of a (sharded, any world size) checkpoint, whole, on CPU, in eval mode."""
-    if not ckpt.is_dir():
-        raise CheckpointError(f"checkpoint not found: {ckpt}")
-    if not checkpoint.is_complete(ckpt):
-        raise CheckpointError(
-            f"checkpoint {ckpt} is incomplete (no .metadata or {checkpoint.META}): "
-            "its save was interrupted"
-        )
-    meta = checkpoint.read_meta(ckpt)
+    meta = checkpoint.read_meta(checkpoint.check_complete(ckpt))
     try:
         cfg = config_from_dict(meta["config"])
         cfg.validate()
