@@ -10,7 +10,6 @@ is a lower bound. Writes ``calibration.json`` (and Locust's files) into ``--out`
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -22,12 +21,11 @@ from typing import Any
 
 import grpc
 
-from loadtest.run import ROOT, LoadConfig, default_data, run_locust
-from serving.protos import ensure_generated
-from serving.torchserve import free_ports
-
-ensure_generated()
-from serving._gen.recsys.v1 import ranker_pb2, ranker_pb2_grpc  # noqa: E402
+from loadtest.config import ROOT, LoadConfig, default_data
+from loadtest.locust_runner import run_locust
+from recsys_stack import config as rc
+from recsys_stack.net import free_ports
+from serving._gen.recsys.v1 import ranker_pb2, ranker_pb2_grpc
 
 
 class NoopRanker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
@@ -63,24 +61,15 @@ def ceiling_run(cfg: LoadConfig, out: Path) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    d = LoadConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.calibrate", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("-u", "--users", type=int, default=d.users)
-    p.add_argument("-r", "--spawn-rate", type=float, default=d.spawn_rate)
-    p.add_argument("-t", "--duration", default="10s")
-    p.add_argument("--data", type=Path)
-    p.add_argument("--examples", type=int, default=d.examples)
-    p.add_argument("--processes", type=int, default=d.processes)
-    p.add_argument("--out", type=Path)
-    ns = p.parse_args(argv)
     try:
-        cfg = LoadConfig(
-            users=ns.users, spawn_rate=ns.spawn_rate, duration=ns.duration,
-            data=ns.data or default_data(), examples=ns.examples, processes=ns.processes,
-        )  # fmt: skip
-        out = ns.out or ROOT / "reports" / time.strftime("calibration-%Y%m%d-%H%M%S")
+        cfg = rc.parse(LoadConfig, argv, "python -m loadtest.calibrate", __doc__.split("\n\n")[0])
+        cfg.check()
+        cfg.data = cfg.data or default_data()
+    except rc.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = cfg.out or ROOT / "reports" / time.strftime("calibration-%Y%m%d-%H%M%S")
+    try:
         s = ceiling_run(cfg, out)
     except (RuntimeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -47,6 +47,11 @@ def summarize(prefix: Path) -> dict[str, Any]:
     }
 
 
+def workers_seen(master_log: str) -> int:
+    """Distinct load workers the Locust master saw reporting ready (its INFO log)."""
+    return len(set(re.findall(r"(\S+) \(index \d+\) reported as ready", master_log)))
+
+
 def _failure_type(error: str) -> str:
     """``GrpcError('UNAVAILABLE: ...')`` -> ``UNAVAILABLE``; anything else as Locust wrote it."""
     m = re.match(r"\w+\(['\"]([A-Z_]+):", error)

@@ -25,117 +25,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loadtest import report
-from serving.torchserve import free_ports
+from loadtest.calibrate import ceiling_run
+from loadtest.config import ROOT, LoadConfig, default_data
+from loadtest.locust_runner import run_locust
+from recsys_stack import config as rc
 
 log = logging.getLogger("loadtest")
-ROOT = Path(__file__).resolve().parents[1]
-LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
 SLO_EXIT = 3
-
-
-@dataclass
-class LoadConfig:
-    host: str = field(default_factory=lambda: os.environ.get("RECSYS_GATEWAY", "127.0.0.1:50051"))
-    """gateway host:port (env RECSYS_GATEWAY)"""
-    users: int = 4
-    """concurrent closed-loop users (no think time)"""
-    spawn_rate: float = 4.0
-    """users started per second"""
-    duration: str = "30s"
-    """Locust run time, e.g. 10s, 2m"""
-    data: Path | None = None
-    """Criteo TSV for payloads (default: the first data/synthetic/*.tsv)"""
-    examples: int = 100
-    """examples per request"""
-    processes: int = 1
-    """load processes; > 1: a Locust master plus this many workers"""
-    out: Path | None = None
-    """report folder (default reports/<timestamp>/)"""
-    slo_p99_ms: float | None = None
-    """exit 3 when p99 is above this"""
-    slo_failure_ratio: float | None = None
-    """exit 3 when failures / requests is above this"""
-    step_users: list[int] = field(default_factory=list)
-    """step-load mode: user counts, one run each"""
-    step_duration: str = "10s"
-    """run time of each step"""
-    calibrate: bool = False
-    """measure the generator's ceiling against a no-op server first"""
-    generator_ceiling_rps: float | None = None
-    """a ceiling measured before (python -m loadtest.calibrate)"""
-
-
-def seconds(duration: str) -> float:
-    """``"90"``, ``"10s"``, ``"2m"``, ``"1h"`` -> seconds."""
-    units = {"s": 1, "m": 60, "h": 3600}
-    d = duration.strip()
-    try:
-        return float(d[:-1]) * units[d[-1]] if d[-1] in units else float(d)
-    except (ValueError, IndexError):
-        raise ValueError(f"duration {duration!r}: expected e.g. 30s, 2m") from None
-
-
-def default_data() -> Path:
-    found = sorted((ROOT / "data" / "synthetic").glob("*.tsv"))
-    if not found:
-        raise ValueError(
-            "no --data and no data/synthetic/*.tsv: make one with "
-            "`python -m training.data.synthetic --rows 20000 --out data/synthetic/loadtest.tsv`"
-        )
-    return found[0]
-
-
-def run_locust(
-    cfg: LoadConfig, host: str, users: int, duration: str, out: Path, spawn_rate: float
-) -> dict[str, Any]:
-    """One headless Locust run into ``out`` (CSVs, HTML, locust.log) -> its summary numbers."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, LOADTEST_DATA=str(cfg.data), LOADTEST_EXAMPLES=str(cfg.examples))
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["RECSYS_GATEWAY"] = host
-    base = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--loglevel", "WARNING"]
-    cmd = [*base, "--headless", "--host", host, "-u", str(users), "-r", str(spawn_rate),
-           "-t", duration, "--csv", str(out / "locust"), "--html", str(out / "report.html"),
-           "--only-summary", "--stop-timeout", "2", "--exit-code-on-error", "0"]  # fmt: skip
-    workers: list[subprocess.Popen[bytes]] = []
-    logf = (out / "locust.log").open("wb")
-    try:
-        if cfg.processes > 1:
-            port = free_ports(1)[0]
-            cmd += ["--master", "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port),
-                    "--expect-workers", str(cfg.processes), "--expect-workers-max-wait", "60"]  # fmt: skip
-            wcmd = [*base, "--worker", "--master-host", "127.0.0.1", "--master-port", str(port)]
-            for _ in range(cfg.processes):
-                workers.append(
-                    subprocess.Popen(wcmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT)
-                )
-        log.info("locust: %d users, %s, %d process(es) -> %s", users, duration, cfg.processes, out)
-        master = subprocess.run(
-            cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT,
-            timeout=seconds(duration) + 120,
-        )  # fmt: skip
-    finally:
-        for w in workers:  # they quit when the master does; make sure
-            try:
-                w.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                w.kill()
-                w.wait()
-        logf.close()
-    if master.returncode != 0 or not (out / "locust_stats.csv").exists():
-        tail = (out / "locust.log").read_text(errors="replace")[-1500:]
-        raise RuntimeError(f"locust exited {master.returncode}; log tail:\n{tail}")
-    return report.summarize(out / "locust")
 
 
 def model_info(host: str, data: Path, examples: int) -> dict[str, str]:
@@ -171,8 +75,6 @@ def single(cfg: LoadConfig, out: Path) -> tuple[dict[str, Any], str]:
     info = model_info(cfg.host, cfg.data, cfg.examples)
     ceiling = cfg.generator_ceiling_rps
     if cfg.calibrate:
-        from loadtest.calibrate import ceiling_run
-
         ceiling = ceiling_run(cfg, out / "calibration")["rps"]
     s = run_locust(cfg, cfg.host, cfg.users, cfg.duration, out, cfg.spawn_rate)
     summary: dict[str, Any] = {
@@ -209,47 +111,33 @@ def step_load(cfg: LoadConfig, out: Path) -> tuple[list[dict[str, Any]], dict[st
     return steps, best
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.run",
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit codes: 0 ok, 1 the gateway or Locust failed, 2 bad options, 3 an SLO broken.",
+    )
+    return rc.add_config_args(p, LoadConfig)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> LoadConfig:
-    d = LoadConfig()
-    p = argparse.ArgumentParser(prog="python -m loadtest.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--host", default=d.host, help="gateway host:port (default %(default)s)")
-    p.add_argument("-u", "--users", type=int, default=d.users)
-    p.add_argument("-r", "--spawn-rate", type=float, default=d.spawn_rate)
-    p.add_argument("-t", "--duration", default=d.duration, help="e.g. 30s, 2m")
-    p.add_argument("--data", type=Path, help="Criteo TSV (default: data/synthetic/*.tsv)")
-    p.add_argument("--examples", type=int, default=d.examples, help="examples per request")
-    p.add_argument("--processes", type=int, default=d.processes, help="load processes")
-    p.add_argument("--out", type=Path, help="report folder (default reports/<timestamp>)")
-    p.add_argument("--slo-p99-ms", type=float)
-    p.add_argument("--slo-failure-ratio", type=float)
-    p.add_argument("--step-users", default="", help="step-load mode, e.g. 1,2,4,8")
-    p.add_argument("--step-duration", default=d.step_duration)
-    p.add_argument("--calibrate", action="store_true", help="measure the generator ceiling first")
-    p.add_argument("--generator-ceiling-rps", type=float)
-    ns = vars(p.parse_args(argv))
-    try:
-        ns["step_users"] = [int(u) for u in ns["step_users"].split(",") if u.strip()]
-    except ValueError:
-        p.error(f"--step-users {ns['step_users']!r}: expected e.g. 1,2,4,8")
-    if ns["step_users"] and ns["slo_p99_ms"] is None:
-        p.error("--step-users needs --slo-p99-ms (the knee is the best step under it)")
-    if ns["users"] < 1 or ns["examples"] < 1 or ns["processes"] < 1:
-        p.error("--users, --examples and --processes must be >= 1")
-    return LoadConfig(**ns)
+    """The command line (+ --config file + RECSYS_GATEWAY) -> a checked LoadConfig."""
+    cfg = rc.from_args(LoadConfig, build_parser().parse_args(argv))
+    cfg.check()
+    return cfg
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = parse_args(argv)
     try:
-        seconds(cfg.duration), seconds(cfg.step_duration)
+        cfg = parse_args(argv)
         cfg.data = cfg.data or default_data()
-    except ValueError as e:
+    except rc.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = cfg.out or ROOT / "reports" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
+    (out / "config.json").write_text(json.dumps(rc.to_dict(cfg), indent=2) + "\n")
     try:
         if cfg.step_users:
             steps, best = step_load(cfg, out)

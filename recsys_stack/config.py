@@ -256,7 +256,17 @@ def parse_value(cls: type, dotted: str, text: str) -> Any:
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        return text
+        pass
+    if typing.get_origin(tp) in (list, tuple) and "," in text:  # 1,2,4 as well as [1, 2, 4]
+        return [_scalar(t) for t in text.split(",") if t.strip()]
+    return text
+
+
+def _scalar(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text.strip()
 
 
 def nest(dotted: str, value: Any) -> dict[str, Any]:
@@ -430,10 +440,25 @@ def add_config_args(
         "overrides",
         nargs="*",
         metavar="section.key=value",
-        help="any key in TOML syntax, after --config and the environment "
-        "(e.g. limits.max_examples=500)",
+        help="any key in TOML syntax, applied after --config and the environment" + _example(cls),
     )
     return parser
+
+
+def _example(cls: type) -> str:
+    keys = list(iter_keys(cls))
+    key = next((k for k in keys if "." in k.path), keys[0] if keys else None)
+    if key is None or key.default is dataclasses.MISSING:
+        return ""
+    value = key.default
+    shown = (
+        f'"{value}"'
+        if isinstance(value, str | Path)
+        else str(value).lower()
+        if isinstance(value, bool)
+        else value
+    )
+    return f" (e.g. {key.path}={shown})".replace("%", "%%")
 
 
 def overrides_from(ns: argparse.Namespace) -> list[str]:

@@ -1,0 +1,83 @@
+"""The load test's one config: a dataclass read by ``recsys_stack.config`` (TOML, env, flags).
+
+``python -m loadtest.run`` and ``python -m loadtest.calibrate`` both take it, so a setting means
+the same in both and is declared once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from recsys_stack.config import ConfigError, env_field
+
+ROOT = Path(__file__).resolve().parents[1]
+GATEWAY_ENV = "RECSYS_GATEWAY"
+
+
+@dataclass
+class LoadConfig:
+    host: str = env_field(GATEWAY_ENV, "127.0.0.1:50051")
+    """Gateway host:port."""
+    users: int = 4
+    """Concurrent closed-loop users (no think time)."""
+    spawn_rate: float = 4.0
+    """Users started per second."""
+    duration: str = "30s"
+    """Locust run time, e.g. 10s, 2m."""
+    data: Path | None = None
+    """Criteo TSV for payloads (default: the first data/synthetic/*.tsv)."""
+    examples: int = 100
+    """Examples per request."""
+    timeout_s: float = 5.0
+    """Deadline of each call; a call past it counts as a failure (DEADLINE_EXCEEDED)."""
+    processes: int = 1
+    """Load processes; > 1: a Locust master that only aggregates plus this many workers."""
+    out: Path | None = None
+    """Report folder (default reports/<timestamp>/)."""
+    slo_p99_ms: float | None = None
+    """Exit 3 when the p99 latency is above this."""
+    slo_failure_ratio: float | None = None
+    """Exit 3 when failures / requests is above this."""
+    step_users: list[int] = field(default_factory=list)
+    """Step-load mode: user counts, one run each (e.g. 1,2,4,8); needs slo_p99_ms."""
+    step_duration: str = "10s"
+    """Run time of each step."""
+    calibrate: bool = False
+    """Measure the generator's ceiling against a no-op server first (adds a bottleneck verdict)."""
+    generator_ceiling_rps: float | None = None
+    """A ceiling measured before (python -m loadtest.calibrate), for the bottleneck verdict."""
+
+    def check(self) -> None:
+        """Raise ConfigError naming the first value that cannot work."""
+        for name in ("users", "examples", "processes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} = {getattr(self, name)}: must be >= 1")
+        if self.spawn_rate <= 0 or self.timeout_s <= 0:
+            raise ConfigError("spawn_rate and timeout_s must be > 0")
+        if any(u < 1 for u in self.step_users):
+            raise ConfigError(f"step_users = {self.step_users}: user counts must be >= 1")
+        if self.step_users and self.slo_p99_ms is None:
+            raise ConfigError("step_users needs slo_p99_ms (the knee is the best step under it)")
+        seconds(self.duration)
+        seconds(self.step_duration)
+
+
+def seconds(duration: str) -> float:
+    """``"90"``, ``"10s"``, ``"2m"``, ``"1h"`` -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    d = duration.strip()
+    try:
+        return float(d[:-1]) * units[d[-1]] if d[-1] in units else float(d)
+    except (ValueError, IndexError):
+        raise ConfigError(f"duration {duration!r}: expected e.g. 30s, 2m") from None
+
+
+def default_data() -> Path:
+    found = sorted((ROOT / "data" / "synthetic").glob("*.tsv"))
+    if not found:
+        raise ConfigError(
+            "no data and no data/synthetic/*.tsv: pass --data FILE.tsv, or make one with "
+            "`python -m training.data.synthetic --rows 20000 --out data/synthetic/loadtest.tsv`"
+        )
+    return found[0]
