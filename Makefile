@@ -23,20 +23,36 @@ LOADTEST_ARGS ?=
 NAME ?=
 VERSION ?=
 
-.PHONY: setup train export serve stop score loadtest demo bench test lint fmt clean help
+.PHONY: setup lock train export serve stop score loadtest demo bench test lint fmt clean help
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
-setup: $(VENV)/.installed  ## create .venv with the pinned CPU (or CUDA) set
+setup: $(VENV)/.installed  ## create .venv from requirements/lock.txt (CPU fbgemm, or CUDA where a GPU is visible)
 
-$(VENV)/.installed: requirements/base.txt requirements/torchrec.txt
+# requirements/lock.txt pins the whole resolved set with hashes (pip refuses anything else),
+# except the three packages whose build depends on the device (see pyproject.toml): torch (the
+# CPU wheel on this machine's disk, or PyPI's CUDA build with its nvidia-* libraries), fbgemm
+# (fbgemm-gpu-cpu or fbgemm-gpu) and torchrec (--no-deps: it declares the CUDA fbgemm wheel).
+# They are pinned here; on CPU torch's own requirements are already in the lock.
+TORCH_PINS := torch==2.13.0 torchrec==1.8.0
+$(VENV)/.installed: requirements/lock.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements/base.txt $(FBGEMM)
-	$(PY) -m pip install -q --no-deps -r requirements/torchrec.txt
+	$(PY) -m pip install -q --require-hashes --no-deps -r requirements/lock.txt
+	$(PY) -m pip install -q $(word 1,$(TORCH_PINS)) $(FBGEMM)
+	$(PY) -m pip install -q --no-deps $(word 2,$(TORCH_PINS))
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -c "import torch, fbgemm_gpu, torchrec; print('torch', torch.__version__, 'torchrec', torchrec.__version__)"
 	$(PY) -m serving.protos
 	touch $@
+
+# Locks: everything (make setup), and the torch-free images' sets (gateway: serve, locust: load).
+UV_COMPILE = $(VENV)/bin/uv pip compile --generate-hashes --find-links /opt/wheels --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 --no-emit-package recsys-stack --no-emit-package torch \
+	--custom-compile-command "make lock" pyproject.toml
+lock:  ## re-resolve requirements/*.lock.txt from pyproject.toml's ranges (uv)
+	$(UV_COMPILE) --all-extras -o requirements/lock.txt
+	$(UV_COMPILE) --extra serve -o requirements/serve.lock.txt
+	$(UV_COMPILE) --extra load -o requirements/load.lock.txt
 
 TRAIN_ARGS = --config training/configs/$(PRESET).toml --run-dir $(RUN) $(if $(DATA),--data $(DATA)) $(ARGS)
 
