@@ -1,3 +1,3 @@
-"""Pieces every stage shares and that need only the standard library: the config mechanism
-(:mod:`recsys_stack.config`), free ports (:mod:`recsys_stack.net`) and log-friendly progress
-bars (:mod:`recsys_stack.progress`)."""
+"""Pieces every stage shares: the config mechanism (:mod:`recsys_stack.config`, on top of
+:mod:`recsys_stack.typed`) and free ports (:mod:`recsys_stack.net`), standard library only; and
+log-friendly progress bars (:mod:`recsys_stack.progress`, needs tqdm: training only)."""
