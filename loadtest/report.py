@@ -53,7 +53,10 @@ def workers_seen(master_log: str) -> int:
 
 
 def _failure_type(error: str) -> str:
-    """``GrpcError('UNAVAILABLE: ...')`` -> ``UNAVAILABLE``; anything else as Locust wrote it."""
+    """``GrpcError('UNAVAILABLE: ...')`` -> ``UNAVAILABLE``, ``BadReply(...)`` -> ``BAD_REPLY``;
+    anything else as Locust wrote it."""
+    if error.startswith("BadReply("):
+        return "BAD_REPLY"
     m = re.match(r"\w+\(['\"]([A-Z_]+):", error)
     return m.group(1) if m else error
 
