@@ -20,19 +20,17 @@ them alike) needs three long-lived steppers instead. The trainer stepper therefo
 real pieces (``build_trainer``, ``make_pipeline``, ``TrainStream``) and calls the very
 ``TrainLoop.step`` that ``train()`` runs, bookkeeping included.
 
-Shapes: ``B`` per-process batch, ``F`` = 26 sparse features, ``E`` embedding dim.
+The steppers are in :mod:`training.bench_steppers`; this module measures and reports.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,161 +39,24 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
-from torchrec.datasets.utils import Batch
-from tqdm import tqdm
 
-from training.checkpoint import Progress
-from training.config import Config, load_config
+from recsys_stack import config as shared
+from recsys_stack.progress import progress as progress_bar
+from training.bench_steppers import CeilingStepper, PlainStepper, TrainerStepper
+from training.config import Config, load_config, table_keys_help
 from training.data_prep import prepare_data
 from training.errors import ConfigError, DataError, RecsysError
-from training.features import NUM_DENSE
-from training.loader import Arrays, TrainStream, make_batch
-from training.loop import TrainLoop
-from training.metrics import MetricsLog
-from training.train import (
-    build_trainer,
-    configure_logging,
-    make_pipeline,
-    setup_distributed,
-)
+from training.loader import make_batch
+from training.train import configure_logging, setup_distributed
 
 logger = logging.getLogger("training.bench")
 
 METHODS = ("trainer", "ceiling", "plain")
 NOISY_SPREAD = 0.15  # warn when a method's rounds differ by more than this fraction
 DEFAULT_MAX_ROWS = 500_000
+DEFAULT_PRESET = Path("training/configs/criteo-kaggle.toml")
 # 26 tables of the criteo-kaggle preset capped at 500k rows: 3.1M rows x 16 x fp32 ~ 0.2 GB per
 # model copy (three copies plus optimizer state ~ 1.2 GB); init takes seconds on 2 cores.
-
-
-class TrainerStepper:
-    """One step of the real training loop: ``TrainLoop.step`` (pipeline + bookkeeping)."""
-
-    def __init__(self, cfg: Config, train_arrays: Arrays, device: torch.device, total: int):
-        self.trainer = build_trainer(cfg, device)
-        self.pipeline = make_pipeline(cfg.train.pipeline, self.trainer, device)
-        stream = TrainStream(
-            train_arrays,
-            global_batch=cfg.train.batch_size,
-            rank=0,
-            world_size=1,
-            rows_per_table=cfg.model.rows(),
-            seed=cfg.train.seed,
-            epochs=1,
-        )
-        # Enough epochs that the stream never ends inside the benchmark (the pipeline reads ahead).
-        stream.epochs = total // max(stream.steps_per_epoch, 1) + 2
-        self.tmp = tempfile.TemporaryDirectory(prefix="bench-")
-        self.loop = TrainLoop(
-            self.pipeline,
-            iter(stream),
-            Progress(),
-            batch_size=cfg.train.batch_size,
-            train_rows=len(train_arrays),
-            total=total,
-            log_every=cfg.train.log_every,
-            loss_log=MetricsLog(Path(self.tmp.name) / "train_loss.jsonl", enabled=True),
-        )
-
-    def step(self) -> None:
-        if not self.loop.step():
-            raise RuntimeError("the benchmark's training stream ran out")
-
-
-class CeilingStepper:
-    """The raw DMP step on prebuilt in-memory batches (no loader, no pipeline, no bookkeeping)."""
-
-    def __init__(self, cfg: Config, batches: list[Batch], device: torch.device):
-        self.trainer = build_trainer(cfg, device)
-        self.batches = batches
-        self.n = 0
-
-    def step(self) -> None:
-        batch = self.batches[self.n % len(self.batches)]
-        self.n += 1
-        model, optimizer = self.trainer.model, self.trainer.optimizer
-        optimizer.zero_grad()
-        loss, _ = model(batch)
-        loss.backward()  # the fused embedding optimizer updates the tables here
-        optimizer.step()
-
-
-def _mlp(sizes: Sequence[int], last_relu: bool) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
-        layers.append(nn.Linear(a, b))
-        if last_relu or i < len(sizes) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
-
-
-class PlainDLRM(nn.Module):
-    """DLRM in plain PyTorch, shaped like torchrec's ``DLRM`` (DenseArch, InteractionArch, OverArch).
-
-    ``forward(dense float32[B, 13], values[F] int64, offsets[F] int64[B]) -> logits float32[B]``.
-    """
-
-    triu: torch.Tensor  # int64[2, (F + 1) F / 2]: (row, column) of the upper triangle
-
-    def __init__(
-        self, rows: Sequence[int], dim: int, dense_arch: Sequence[int], over_arch: Sequence[int]
-    ):
-        super().__init__()
-        self.tables = nn.ModuleList(nn.EmbeddingBag(r, dim, mode="sum", sparse=True) for r in rows)
-        self.bottom = _mlp([NUM_DENSE, *dense_arch], last_relu=True)
-        f = len(rows) + 1
-        self.register_buffer("triu", torch.triu_indices(f, f, offset=1), persistent=False)
-        self.top = _mlp([dim + f * (f - 1) // 2, *over_arch], last_relu=False)
-
-    def forward(
-        self, dense: torch.Tensor, values: list[torch.Tensor], offsets: list[torch.Tensor]
-    ) -> torch.Tensor:
-        d = self.bottom(dense)  # [B, E]
-        embs = [t(v, o) for t, v, o in zip(self.tables, values, offsets, strict=True)]
-        combined = torch.stack([d, *embs], dim=1)  # [B, F + 1, E]
-        inter = torch.bmm(combined, combined.transpose(1, 2))  # [B, F + 1, F + 1]
-        flat = inter[:, self.triu[0], self.triu[1]]  # [B, (F + 1) F / 2]
-        return self.top(torch.cat([d, flat], dim=1)).squeeze(-1)
-
-
-def _plain_inputs(
-    batch: Batch,
-) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """A torchrec Batch -> (dense, per-feature values, per-feature bag offsets, labels)."""
-    kjt = batch.sparse_features
-    per_key = kjt.to_dict()
-    values = [jt.values() for jt in per_key.values()]
-    offsets = [jt.offsets()[:-1].contiguous() for jt in per_key.values()]
-    return batch.dense_features, values, offsets, batch.labels
-
-
-class PlainStepper:
-    """Plain PyTorch DLRM; Adagrad on both the sparse tables and the MLPs (row-wise Adagrad,
-    the trainer's embedding optimizer, is not in torch, so this uses element-wise Adagrad)."""
-
-    def __init__(self, cfg: Config, batches: list[Batch]):
-        torch.manual_seed(cfg.train.seed)
-        m = cfg.model
-        self.model = PlainDLRM(m.rows(), m.embedding_dim, m.dense_arch, m.over_arch)
-        self.sparse_opt = torch.optim.Adagrad(
-            self.model.tables.parameters(), lr=cfg.optim.embedding_lr
-        )
-        dense_params = [*self.model.bottom.parameters(), *self.model.top.parameters()]
-        self.dense_opt = torch.optim.Adagrad(dense_params, lr=cfg.optim.dense_lr)
-        self.loss_fn = nn.BCEWithLogitsLoss()
-        self.inputs = [_plain_inputs(b) for b in batches]
-        self.n = 0
-
-    def step(self) -> None:
-        dense, values, offsets, labels = self.inputs[self.n % len(self.inputs)]
-        self.n += 1
-        self.sparse_opt.zero_grad()
-        self.dense_opt.zero_grad()
-        loss = self.loss_fn(self.model(dense, values, offsets), labels)
-        loss.backward()
-        self.sparse_opt.step()
-        self.dense_opt.step()
 
 
 def measure(stepper: Any, steps: int, warmup: int, desc: str, progress: bool) -> list[float]:
@@ -203,7 +64,7 @@ def measure(stepper: Any, steps: int, warmup: int, desc: str, progress: bool) ->
     for _ in range(warmup):
         stepper.step()
     times = []
-    bar = tqdm(range(steps), desc=desc, unit="step", leave=False, disable=not progress)
+    bar = progress_bar(range(steps), desc=desc, unit="step", leave=False, disable=not progress)
     for _ in bar:
         t0 = time.perf_counter()
         stepper.step()
@@ -214,7 +75,8 @@ def measure(stepper: Any, steps: int, warmup: int, desc: str, progress: bool) ->
 
 
 def bench_config(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
-    """The preset with rows capped at ``--max-rows``, the bench batch and synthetic data."""
+    """The preset with rows capped at ``--max-rows``, the bench batch and synthetic data; then
+    the config flags and ``section.key=value`` overrides of the command line, then ``extra``."""
     preset = load_config(args.config)
     rows = [min(r, args.max_rows) for r in preset.model.rows()]
     overrides = [
@@ -226,7 +88,7 @@ def bench_config(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
         f"data.cache_dir={json.dumps(str(args.cache_dir))}",
         f"data.synthetic_dir={json.dumps(str(args.synthetic_dir))}",
         'data.path=""',
-        *args.overrides,
+        *shared.overrides_from(args),
         *extra,
     ]
     return load_config(args.config, overrides)
@@ -246,13 +108,14 @@ def _summary(times_per_round: list[list[float]], batch: int) -> dict[str, Any]:
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Build the steppers, measure them round-robin, return figures and ratios."""
+    cfg = bench_config(args)  # config errors before any work
+    ccfg = bench_config(args, ["train.compile_dense=true"]) if args.compile_dense else None
     torch.set_num_threads(args.threads)
     _, world, device = setup_distributed()
     if world != 1:
         raise ConfigError(
             f"training.bench runs in one process, not {world}: run it without torchrun"
         )
-    cfg = bench_config(args)
     train_arrays, _, data_info = prepare_data(cfg.data, rank=0, progress=args.progress)
     batch = cfg.train.batch_size
     if len(train_arrays) < batch:
@@ -274,8 +137,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "ceiling": CeilingStepper(cfg, prebuilt, device),
         "plain": PlainStepper(cfg, prebuilt),
     }
-    if args.compile_dense:
-        ccfg = bench_config(args, ["train.compile_dense=true"])
+    if ccfg is not None:
         steppers["trainer_compiled"] = TrainerStepper(ccfg, train_arrays, device, per_method)
     logger.info("built %d models in %.1f s", len(steppers), time.perf_counter() - t0)
 
@@ -355,9 +217,10 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's own flags, then the training config's (``--config``, flags, overrides)."""
     p = argparse.ArgumentParser(
         prog="python -m training.bench",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage="%(prog)s [bench options] [--config FILE.toml] [config flags] [section.key=value ...]",
         description=(
             "Samples/s of three training steps, measured side by side in one process "
             "(world size 1, gloo on CPU), round-robin over --repeats rounds (median reported): "
@@ -369,65 +232,98 @@ def build_parser() -> argparse.ArgumentParser:
             "tables with the same MLPs and dot interaction, torch.optim.Adagrad, on the same "
             "prebuilt batches. Data is synthetic (generated and cached once)."
         ),
-        epilog="overrides: extra config fields as section.key=value, as for training.train.",
+        epilog=(
+            "The training config is --config (the preset giving the table rows, embedding dim, "
+            "MLPs and learning rates) with the bench options above applied to it; the config "
+            "flags and section.key=value overrides (as for training.train) apply last. "
+            + table_keys_help()
+        ),
     )
-    p.add_argument(
-        "--config",
-        type=Path,
-        default=Path("training/configs/criteo-kaggle.toml"),
-        help="preset giving the table rows, embedding dim, MLPs and learning rates",
-    )
-    p.add_argument(
+    bench = p.add_argument_group("benchmark")
+    bench.add_argument(
         "--max-rows",
         type=int,
         default=DEFAULT_MAX_ROWS,
-        help="cap on each table's rows (criteo-kaggle at 500k: ~0.2 GB per model copy)",
+        help="cap on each table's rows (criteo-kaggle at 500k: ~0.2 GB per model copy) "
+        "[default %(default)s]",
     )
-    p.add_argument("--batch-size", type=int, default=2048, help="per-process batch")
-    p.add_argument("--steps", type=int, default=50, help="timed steps per method per round")
-    p.add_argument("--warmup", type=int, default=10, help="untimed steps per method per round")
-    p.add_argument("--repeats", type=int, default=3, help="rounds; each runs all methods once")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    p.add_argument(
+    bench.add_argument(
+        "--batch-size", type=int, default=2048, help="per-process batch [default %(default)s]"
+    )
+    bench.add_argument(
+        "--steps",
+        type=int,
+        default=50,
+        help="timed steps per method per round [default %(default)s]",
+    )
+    bench.add_argument(
+        "--warmup",
+        type=int,
+        default=10,
+        help="untimed steps per method per round [default %(default)s]",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds; each runs all methods once [default %(default)s]",
+    )
+    bench.add_argument(
+        "--threads", type=int, default=2, help="torch.set_num_threads [default %(default)s]"
+    )
+    bench.add_argument(
         "--pipeline",
         choices=["sparse_dist", "base"],
         default="sparse_dist",
-        help="train pipeline of the trainer row",
+        help="train pipeline of the trainer row [default %(default)s]",
     )
-    p.add_argument(
+    bench.add_argument(
         "--prebuilt",
         type=int,
         default=32,
-        help="batches built once in memory for the ceiling and plain rows",
+        help="batches built once in memory for the ceiling and plain rows [default %(default)s]",
     )
-    p.add_argument("--synthetic-rows", type=int, default=300_000, help="rows of synthetic data")
-    p.add_argument(
+    bench.add_argument(
+        "--synthetic-rows",
+        type=int,
+        default=300_000,
+        help="rows of synthetic data [default %(default)s]",
+    )
+    bench.add_argument(
         "--synthetic-vocab",
         type=int,
         default=100_000,
-        help="distinct ids per synthetic feature (hashed into the capped tables)",
+        help="distinct ids per synthetic feature (hashed into the capped tables) "
+        "[default %(default)s]",
     )
-    p.add_argument("--cache-dir", type=Path, default=Path("data/cache"), help="binary shard cache")
-    p.add_argument(
+    bench.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path("data/cache"),
+        help="binary shard cache [default %(default)s]",
+    )
+    bench.add_argument(
         "--synthetic-dir",
         type=Path,
         default=Path("data/synthetic"),
-        help="where the synthetic TSV is generated",
+        help="where the synthetic TSV is generated [default %(default)s]",
     )
-    p.add_argument(
+    bench.add_argument(
         "--compile-dense",
         action="store_true",
         help="add a 4th row: the trainer with train.compile_dense=true",
     )
-    p.add_argument("--json", type=Path, help="also write the figures to this file")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    bench.add_argument("--json", type=Path, help="also write the figures to this file")
+    bench.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bars"
+    )
+    shared.add_config_args(p, Config, default_file=DEFAULT_PRESET)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(0, verbose=os.environ.get("RECSYS_VERBOSE", "") not in ("", "0"))
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     try:
         result = run_bench(args)
     except RecsysError as e:

@@ -25,7 +25,7 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,12 @@ class Progress:
     epoch: int = 0
     rows_in_epoch: int = 0
     samples_seen: int = 0
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Take the values recorded in a checkpoint's meta.json (in place: the loop holds self)."""
+        restored = Progress(**state)  # unknown or missing keys fail here, not later
+        for f in fields(self):
+            setattr(self, f.name, getattr(restored, f.name))
 
 
 def step_dir_name(step: int) -> str:

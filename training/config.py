@@ -1,25 +1,29 @@
-"""Typed training config: defaults < TOML preset < command-line ``section.key=value`` overrides.
+"""Typed training config: defaults < TOML preset < ``--flags`` and ``section.key=value``.
 
-Every field has a comment; choices are ``Literal`` and checked. Unknown keys are errors (a
-typo must not silently train the default). ``parse_args(argv)`` takes its own argv so tests
-can drive it.
+The dataclasses below are the whole interface: a docstring under each field (it becomes the
+``--help`` text of the generated flag), ``Literal`` choices, nested dataclasses as TOML
+sections. Loading, type checks and unknown-key suggestions are the shared
+:mod:`recsys_stack.config`; this module adds the cross-field checks (:meth:`Config.validate`)
+and the training command line. ``parse_args(argv)`` takes its own argv so tests can drive it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
-import tomllib
-import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from recsys_stack import config as shared
 from training.errors import ConfigError
 from training.features import NUM_SPARSE, SPARSE_NAMES, table_name
 
+T = TypeVar("T")
 ShardingType = Literal[
     "data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise"
 ]
@@ -203,116 +207,47 @@ def _suggest(key: str, options: typing.Iterable[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# dict -> dataclass with type checks
+# loading: the shared mechanism (recsys_stack.config), its errors as training's ConfigError
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a table of keys, got {value!r}")
-        return _build(tp, value, where)  # type: ignore[arg-type]
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            choices = ", ".join(repr(c) for c in typing.get_args(tp))
-            raise ConfigError(f"{where} = {value!r}: must be one of {choices}")
-        return value
-    if origin in (types.UnionType, typing.Union):
-        errors = []
-        for arm in typing.get_args(tp):
-            try:
-                return _coerce(value, arm, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[-1])
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where} = {value!r}: expected a list")
-        (item,) = typing.get_args(tp)
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a table of keys, got {value!r}")
-        _, vt = typing.get_args(tp)
-        return {k: _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp in (int, float, str, bool):
-        if type(value) is not tp:
-            raise ConfigError(f"{where} = {value!r}: expected {tp.__name__}")
-        return value
-    raise TypeError(f"unsupported config type {tp} at {where}")  # a bug in this file
+@contextlib.contextmanager
+def config_errors() -> Iterator[None]:
+    """Re-raise the shared loader's errors as :class:`training.errors.ConfigError`.
 
-
-def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in raw.items():
-        path = f"{where}.{key}" if where else key
-        if key not in names:
-            raise ConfigError(f"unknown key '{path}'{_suggest(key, names)}")
-        kwargs[key] = _coerce(value, hints[key], path)
-    return cls(**kwargs)
-
-
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in override.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _parse_override(text: str) -> dict[str, Any]:
-    """``a.b.c=value`` -> ``{"a": {"b": {"c": value}}}``; value in TOML syntax, else a string."""
-    if "=" not in text:
-        raise ConfigError(f"override '{text}': expected section.key=value")
-    key, raw = text.split("=", 1)
+    Entry points catch :class:`RecsysError`; the shared ``ConfigError`` is not one (the
+    torch-free serving side uses it too), so every training loader goes through here.
+    """
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    node: dict[str, Any] = {}
-    cur = node
-    parts = key.strip().split(".")
-    for p in parts[:-1]:
-        cur[p] = cur = {}
-    cur[parts[-1]] = value
-    return node
+        yield
+    except shared.ConfigError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(str(e)) from None
+
+
+def load_stage_config(cls: type[T], ns: argparse.Namespace) -> T:
+    """The ``cls`` that a command line parsed with :func:`add_config_args` asks for."""
+    with config_errors():
+        return shared.from_args(cls, ns)
 
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Config:
     """Defaults < TOML file < overrides; validated. Errors name where the bad key came from."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p}: invalid TOML: {e}") from None
-        try:
-            _build(Config, raw, "")
-        except ConfigError as e:
-            raise ConfigError(f"{p}: {e}") from None
-    for o in overrides:
-        raw = _merge(raw, _parse_override(o))
-    try:
-        cfg: Config = _build(Config, raw, "")
-    except ConfigError as e:
-        raise ConfigError(f"command line: {e}") from None
+    with config_errors():
+        cfg = shared.load(Config, path, overrides)
     cfg.validate()
     return cfg
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """The config as recorded in ``config.json`` and checkpoint metadata."""
+    return shared.to_dict(cfg)
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
-    cfg: Config = _build(Config, raw, "")
-    return cfg
+    """A config recorded by :func:`config_to_dict` (not validated: it was when it ran)."""
+    with config_errors():
+        return shared.build(Config, raw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,6 +256,8 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
 
 @dataclass
 class RunArgs:
+    """A parsed training command line: the validated config and how to run it."""
+
     config: Config
     run_dir: Path
     resume: str  # "auto" | "none" | a checkpoint path
@@ -329,6 +266,7 @@ class RunArgs:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The training command line: run options, ``--config``, a flag per field, overrides."""
     p = argparse.ArgumentParser(
         prog="torchrun --nproc_per_node=N -m training.train",
         description=(
@@ -336,16 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
             "planner, trained with fused fbgemm kernels, evaluated with AUC/NE, and saved as "
             "sharded torch.distributed.checkpoint directories that resume on any world size."
         ),
-        epilog=(
-            "overrides: any config field as section.key=value in TOML syntax, e.g. "
-            "train.max_steps=200 model.num_embeddings=[100,200,...] "
-            "'sharding.tables.t_C1.sharding_types=[\"column_wise\"]'. "
-            "Presets: training/configs/{tiny,demo,criteo-kaggle}.toml."
-        ),
+        usage="%(prog)s [--config FILE.toml] [options] [section.key=value ...]",
+        epilog=_epilog(),
     )
-    p.add_argument("--config", type=Path, help="TOML preset (default: built-in defaults)")
     p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<preset name>)")
-    p.add_argument("--data", help="Criteo TSV file or folder (same as data.path=...)")
+    p.add_argument("--data", help="Criteo TSV file or folder (same as data.path=..., wins over it)")
     p.add_argument(
         "--resume",
         default="auto",
@@ -359,22 +292,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="check the config and the checkpoint to resume, generate/preprocess the data, "
         "and exit (one process; `make train` runs this before torchrun)",
     )
-    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    shared.add_config_args(p, Config)
     return p
 
 
+def table_keys_help() -> str:
+    """Help for ``sharding.tables``: a table of tables, so an override only (no flag)."""
+    docs = shared.field_docs(TableSharding)
+    per_table = "; ".join(f"{name}: {doc.rstrip('.')}" for name, doc in docs.items())
+    return (
+        f"sharding.tables.<table>.<key> (table t_C1 .. t_C26): "
+        f"{shared.field_docs(ShardingConfig)['tables']} Keys: {per_table}. "
+        """Example: 'sharding.tables.t_C1.sharding_types=["column_wise"]'."""
+    )
+
+
+def _epilog() -> str:
+    return (
+        "Every config field is also a section.key=value override in TOML syntax, applied "
+        "after --config and the flags, e.g. train.max_steps=200 "
+        f"model.num_embeddings=[100,200,...]. {table_keys_help()} "
+        "Presets: training/configs/{tiny,demo,criteo-kaggle}.toml."
+    )
+
+
 def parse_args(argv: typing.Sequence[str] | None = None) -> RunArgs:
-    ns = build_parser().parse_args(argv)
-    overrides = list(ns.overrides)
+    """``argv`` -> the validated config and the run options. Raises ConfigError."""
+    # intermixed: overrides may come before, between and after the options
+    ns = build_parser().parse_intermixed_args(argv)
+    overrides = shared.overrides_from(ns)
     if ns.data:
         overrides.append(f"data.path={_toml_str(ns.data)}")
     cfg = load_config(ns.config, overrides)
-    if ns.config is not None and "name=" not in " ".join(overrides) and cfg.name == "custom":
-        cfg.name = ns.config.stem
-    run_dir = ns.run_dir or Path("runs") / cfg.name
+    named = any(o.partition("=")[0].strip() == "name" for o in overrides)
+    if ns.config is not None and not named and cfg.name == "custom":
+        cfg = dataclasses.replace(cfg, name=ns.config.stem)  # a preset file names the run
     return RunArgs(
         config=cfg,
-        run_dir=run_dir,
+        run_dir=ns.run_dir or Path("runs") / cfg.name,
         resume=ns.resume,
         progress=not ns.no_progress,
         prepare_only=ns.prepare_only,

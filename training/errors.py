@@ -4,13 +4,19 @@ Entry points catch :class:`RecsysError`, print ``error: <message>`` and exit wit
 anything else is a bug and keeps its traceback.
 """
 
+from recsys_stack import config as _config
+
 
 class RecsysError(Exception):
     """Base class for errors caused by the user's input (config, data, checkpoint)."""
 
 
-class ConfigError(RecsysError):
-    """A config file or override is invalid (unknown key, bad value, zero-row table)."""
+class ConfigError(RecsysError, _config.ConfigError):
+    """A config file or override is invalid (unknown key, bad value, zero-row table).
+
+    Also a :class:`recsys_stack.config.ConfigError`, so the shared loader passes it through
+    unchanged when a config class's ``__post_init__`` raises it.
+    """
 
 
 class DataError(RecsysError):

@@ -6,6 +6,7 @@ trainer runs: the TorchRec pipeline step, the data position, the loss check, the
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -44,6 +45,13 @@ class Window:
     def exclude(self, seconds: float) -> None:
         """Time spent outside training (a checkpoint save) does not count."""
         self.start += seconds
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """The time spent inside (a checkpoint save) does not count as training."""
+        t0 = time.perf_counter()
+        yield
+        self.exclude(time.perf_counter() - t0)
 
     def samples_per_sec(self) -> float | None:
         elapsed = time.perf_counter() - self.start

@@ -1,8 +1,11 @@
 """Train a sharded DLRM: ``torchrun --nproc_per_node=N -m training.train --config <preset>.toml``.
 
-``main()`` parses and reports errors; ``train()`` does the work: data -> planner -> DMP with
-the embedding optimizer fused into backward -> TorchRec train pipeline -> periodic AUC/NE
-evaluation and sharded checkpoints. Gloo on CPU, NCCL on CUDA.
+``main()`` parses and reports errors; ``train()`` does the work as a schedule of named pieces:
+data -> :func:`~training.trainer.build_trainer` (planner -> DMP with the embedding optimizer
+fused into backward) -> :class:`~training.checkpointer.Checkpointer` restore -> the TorchRec
+train pipeline stepped by :class:`~training.loop.TrainLoop`, with the
+:class:`~training.evaluator.Evaluator` (AUC/NE) and the checkpointer called when due.
+Gloo on CPU, NCCL on CUDA.
 """
 
 from __future__ import annotations
@@ -12,28 +15,27 @@ import logging
 import os
 import re
 import sys
-import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from tqdm import tqdm
 
+from recsys_stack.net import free_ports
+from recsys_stack.progress import progress as progress_bar
 from training import checkpoint
+from training.checkpointer import Checkpointer
 from training.config import Config, RunArgs, config_to_dict, parse_args
 from training.data_prep import prepare_data
 from training.errors import DataError, RecsysError
-from training.features import SPARSE_NAMES, table_name
-from training.loader import Arrays, TrainStream, eval_batches
-from training.loop import TrainLoop, mean_over_ranks
-from training.metrics import EvalMetrics, MetricsLog
-from training.model import build_train_model
-from training.sharding import format_plan, make_plan, plan_summary, sharders
+from training.evaluator import Evaluator
+from training.loader import Arrays, TrainStream
+from training.loop import TrainLoop
+from training.metrics import MetricsLog
+from training.sharding import format_plan
+from training.trainer import Trainer, build_trainer, make_pipeline, unwrapped_model
 
 logger = logging.getLogger("training")
 
@@ -44,7 +46,7 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_ports(1)[0]))
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         device = torch.device(f"cuda:{local_rank}")
@@ -56,101 +58,6 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
     return dist.get_rank(), dist.get_world_size(), device
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _embedding_optimizer(name: str) -> type[torch.optim.Optimizer]:
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
-
-    return {
-        "rowwise_adagrad": RowWiseAdagrad,
-        "adagrad": torch.optim.Adagrad,
-        "sgd": torch.optim.SGD,
-        "adam": torch.optim.Adam,
-    }[name]
-
-
-def _dense_optimizer(name: str) -> Callable[..., torch.optim.Optimizer]:
-    return {"adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
-
-
-@dataclass
-class Trainer:
-    """The sharded model, its combined optimizer and the plan it was built with."""
-
-    model: nn.Module  # DistributedModelParallel(DLRMTrain)
-    optimizer: Any  # CombinedOptimizer(fused embedding optimizer, dense optimizer)
-    plan: list[dict[str, Any]]
-
-    def state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
-
-
-def build_trainer(cfg: Config, device: torch.device) -> Trainer:
-    """DLRMTrain on meta -> fused optimizer in backward -> planner -> DMP -> combined optimizer."""
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-
-    torch.manual_seed(cfg.train.seed)
-    model = build_train_model(cfg.model, device="meta")
-    if cfg.train.compile_dense:
-        dlrm = model.model
-        dlrm.dense_arch = torch.compile(dlrm.dense_arch)  # type: ignore[assignment]
-        dlrm.over_arch = torch.compile(dlrm.over_arch)  # type: ignore[assignment]
-    apply_optimizer_in_backward(
-        _embedding_optimizer(cfg.optim.embedding),
-        model.model.sparse_arch.parameters(),
-        {"lr": cfg.optim.embedding_lr},
-    )
-    module_sharders = sharders()
-    tables = [table_name(f) for f in SPARSE_NAMES]
-    plan = make_plan(model, cfg.sharding, tables, device, module_sharders)
-    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=module_sharders)
-    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    dense_cls = _dense_optimizer(cfg.optim.dense)
-    dense_opt = KeyedOptimizerWrapper(dense_params, lambda ps: dense_cls(ps, lr=cfg.optim.dense_lr))
-    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_opt])
-    return Trainer(model=dmp, optimizer=optimizer, plan=plan_summary(plan))
-
-
-def make_pipeline(kind: str, trainer: Trainer, device: torch.device) -> Any:
-    """``sparse_dist`` overlaps batch i+1's input all-to-all with batch i's compute."""
-    from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
-
-    cls = TrainPipelineSparseDist if kind == "sparse_dist" else TrainPipelineBase
-    return cls(trainer.model, trainer.optimizer, device)
-
-
-def evaluate(
-    model: nn.Module, arrays: Arrays, cfg: Config, rank: int, world: int
-) -> dict[str, float]:
-    """AUC, NE (and oracle AUC on synthetic data) over ``arrays``, gathered over all ranks."""
-    local_batch = cfg.train.batch_size // world
-    metrics = EvalMetrics(local_batch, with_oracle=arrays.prob is not None)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for mb in eval_batches(
-            arrays,
-            batch_size=local_batch,
-            rank=rank,
-            world_size=world,
-            rows_per_table=cfg.model.rows(),
-        ):
-            batch = mb.batch.to(next(model.parameters()).device)
-            _, (_, logits, labels) = model(batch)
-            metrics.update(torch.sigmoid(logits.float().cpu()), labels.cpu(), mb.weights, mb.prob)
-    model.train(was_training)
-    return metrics.compute()
 
 
 def preflight_checkpoint(args: RunArgs) -> tuple[Path | None, dict[str, Any] | None]:
@@ -168,47 +75,12 @@ def prepare(args: RunArgs) -> None:
     prepare_data(args.config.data, rank=0, progress=args.progress)
 
 
-def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[str, Any]:
-    """Run (or resume) training; returns the last evaluation record."""
-    cfg, run_dir = args.config, args.run_dir
-    if cfg.train.batch_size % world:
-        raise DataError(
-            f"train.batch_size = {cfg.train.batch_size} is not divisible by {world} processes"
-        )
-    ckpt_root = run_dir / "checkpoints"
-    resume_from, meta = preflight_checkpoint(args)
-    train_arrays, eval_arrays, data_info = prepare_data(cfg.data, rank, progress=args.progress)
-    # Periodic evals may use a prefix of the eval split; the final one always uses all of it.
-    eval_subset = eval_arrays.rows(0, cfg.train.eval_rows) if cfg.train.eval_rows else eval_arrays
-
-    trainer = build_trainer(cfg, device)
-    if rank == 0:
-        logger.info(
-            "sharding plan (%d ranks, %s):\n%s", world, device.type, format_plan(trainer.plan)
-        )
-
-    progress = checkpoint.Progress()
-    last_saved = -1
-    if resume_from is not None:
-        rows = {table_name(f): r for f, r in zip(SPARSE_NAMES, cfg.model.rows(), strict=True)}
-        state, skipped = checkpoint.load(resume_from, trainer.state(), rows)
-        trainer.model.load_state_dict(state["model"])
-        trainer.optimizer.load_state_dict(state["optim"])
-        assert meta is not None
-        progress = checkpoint.Progress(**meta["progress"])
-        if resume_from.parent == ckpt_root:
-            last_saved = progress.step
-        if rank == 0:
-            logger.info(
-                "resumed from %s at step %d (epoch %d)", resume_from, progress.step, progress.epoch
-            )
-            if skipped:
-                logger.warning(
-                    "optimizer state not restored (its sharding kind changed): %s", skipped
-                )
-
+def train_stream(
+    cfg: Config, arrays: Arrays, progress: checkpoint.Progress, rank: int, world: int
+) -> tuple[TrainStream, int]:
+    """This rank's batches from where ``progress`` stands, and the step to stop at."""
     stream = TrainStream(
-        train_arrays,
+        arrays,
         global_batch=cfg.train.batch_size,
         rank=rank,
         world_size=world,
@@ -220,99 +92,122 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
     )
     if stream.steps_per_epoch == 0:
         raise DataError(
-            f"{len(train_arrays)} training rows cannot fill one global batch of {cfg.train.batch_size}"
+            f"{len(arrays)} training rows cannot fill one global batch of {cfg.train.batch_size}"
         )
     total = cfg.train.epochs * stream.steps_per_epoch
     if cfg.train.max_steps:
         total = min(total, cfg.train.max_steps)
+    return stream, total
 
+
+def open_logs(run_dir: Path, cfg: Config, step: int, rank: int) -> tuple[MetricsLog, MetricsLog]:
+    """``metrics.jsonl`` and ``train_loss.jsonl`` cut back to ``step`` (a resumed run redoes
+    what came after its checkpoint), and this run's ``config.json``."""
     metrics_log = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0)
     loss_log = MetricsLog(run_dir / "train_loss.jsonl", enabled=rank == 0)
-    metrics_log.truncate_after(progress.step)
-    loss_log.truncate_after(progress.step)
+    metrics_log.truncate_after(step)
+    loss_log.truncate_after(step)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+    return metrics_log, loss_log
 
-    ckpt_meta = {
-        "config": config_to_dict(cfg),
-        "world_size": world,
-        "data": data_info,
-        "versions": {"torch": torch.__version__},
-    }
 
-    def save() -> None:
-        nonlocal last_saved
-        checkpoint.save(
-            ckpt_root,
-            progress,
-            trainer.state(),
-            {**ckpt_meta, "metrics": last_eval},
-            trainer.plan,
-            cfg.train.keep_last,
-        )
-        last_saved = progress.step
-
-    def run_eval(final: bool) -> dict[str, Any]:
-        model = pipeline.detach() if hasattr(pipeline, "detach") else trainer.model
-        w = loop.window
-        record: dict[str, Any] = {
-            "step": progress.step,
-            "epoch": progress.epoch,
-            "samples_seen": progress.samples_seen,
-            "samples_per_sec": round(w.samples_per_sec() or 0.0, 1) or None,
-            "train_loss": mean_over_ranks(w.loss_sum / w.steps) if w.steps else None,
-        }
-        record.update(evaluate(model, eval_arrays if final else eval_subset, cfg, rank, world))
-        if "oracle_auc" in record:
-            record["auc_vs_oracle"] = record["auc"] / record["oracle_auc"]
-        metrics_log.write(record)
-        if rank == 0:
-            rounded = {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}
-            logger.info("eval %s", rounded)
-        return record
-
-    pipeline = make_pipeline(cfg.train.pipeline, trainer, device)
-    last_eval: dict[str, Any] = {}
-    bar = tqdm(
+def make_loop(
+    cfg: Config,
+    trainer: Trainer,
+    device: torch.device,
+    stream: TrainStream,
+    progress: checkpoint.Progress,
+    total: int,
+    loss_log: MetricsLog,
+    show_bar: bool,
+) -> TrainLoop:
+    """The configured TorchRec pipeline over ``stream``, stepped up to ``total`` with a bar."""
+    bar = progress_bar(
         total=total,
         initial=progress.step,
-        disable=rank != 0 or not args.progress,
+        disable=not show_bar,
         unit="step",
         dynamic_ncols=True,
         desc="train",
     )
-    loop = TrainLoop(
-        pipeline,
+    return TrainLoop(
+        make_pipeline(cfg.train.pipeline, trainer, device),
         iter(stream),
         progress,
         batch_size=cfg.train.batch_size,
-        train_rows=len(train_arrays),
+        train_rows=len(stream.arrays),
         total=total,
         log_every=cfg.train.log_every,
         loss_log=loss_log,
         bar=bar,
     )
-    t = cfg.train
-    while progress.step < total and loop.step():
-        at_end = progress.step >= total
-        if (t.eval_every and progress.step % t.eval_every == 0) or at_end:
-            last_eval = run_eval(final=at_end)
+
+
+def run_schedule(
+    loop: TrainLoop, trainer: Trainer, evaluator: Evaluator, checkpointer: Checkpointer
+) -> None:
+    """Step to ``loop.total``, evaluating and checkpointing when due; then a final evaluation
+    (on the whole eval split) and checkpoint unless the last step already had them."""
+    progress = loop.progress
+    while progress.step < loop.total and loop.step():
+        at_end = progress.step >= loop.total
+        if evaluator.should_evaluate(progress.step, at_end):
+            model = unwrapped_model(loop.pipeline, trainer)
+            evaluator.evaluate(model, progress, loop.window, final=at_end)
             loop.window.reset()
-        if (t.checkpoint_every and progress.step % t.checkpoint_every == 0) or at_end:
-            t_save = time.perf_counter()
-            save()
-            loop.window.exclude(time.perf_counter() - t_save)
-    bar.close()
-    if not last_eval or last_eval.get("step") != progress.step:
-        last_eval = run_eval(final=True)
-    if last_saved != progress.step:
-        save()
+        if checkpointer.should_save(progress.step, at_end):
+            with loop.window.excluded():
+                checkpointer.save(evaluator.last)
+    loop.bar.close()
+    if not evaluator.evaluated(progress.step):  # the data ran out before `total`
+        model = unwrapped_model(loop.pipeline, trainer)
+        evaluator.evaluate(model, progress, loop.window, final=True)
+    if not checkpointer.saved(progress.step):
+        checkpointer.save(evaluator.last)
+
+
+def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    """Run (or resume) training; returns the last evaluation record.
+
+    Data -> trainer -> restore (``--resume``) -> :func:`run_schedule` -> learning curves.
+    """
+    cfg, run_dir = args.config, args.run_dir
+    if cfg.train.batch_size % world:
+        raise DataError(
+            f"train.batch_size = {cfg.train.batch_size} is not divisible by {world} processes"
+        )
+    resume_from, meta = preflight_checkpoint(args)
+    train_arrays, eval_arrays, data_info = prepare_data(cfg.data, rank, progress=args.progress)
+    trainer = build_trainer(cfg, device)
+    if rank == 0:
+        logger.info(
+            "sharding plan (%d ranks, %s):\n%s", world, device.type, format_plan(trainer.plan)
+        )
+    progress = checkpoint.Progress()
+    run_meta = {
+        "config": config_to_dict(cfg),
+        "world_size": world,
+        "data": data_info,
+        "versions": {"torch": torch.__version__},
+    }
+    checkpointer = Checkpointer(run_dir / "checkpoints", trainer, progress, cfg, run_meta)
+    if resume_from is not None:
+        assert meta is not None
+        checkpointer.restore(resume_from, meta, rank)
+
+    stream, total = train_stream(cfg, train_arrays, progress, rank, world)
+    metrics_log, loss_log = open_logs(run_dir, cfg, progress.step, rank)
+    evaluator = Evaluator(cfg, eval_arrays, metrics_log, rank, world)
+    show_bar = rank == 0 and args.progress
+    loop = make_loop(cfg, trainer, device, stream, progress, total, loss_log, show_bar)
+    run_schedule(loop, trainer, evaluator, checkpointer)
     if rank == 0:
         from training.plot import plot_run
 
         logger.info("learning curves: %s", plot_run(run_dir))
-    return last_eval
+    return evaluator.last
 
 
 _LIBRARIES = re.compile(r"[/\\](torch|torchrec|fbgemm_gpu)[/\\]")

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from tests.conftest import ROOT, _env
-from training.bench import METHODS, PlainDLRM, _plain_inputs
+from training.bench import METHODS
+from training.bench_steppers import PlainDLRM, _plain_inputs
 from training.config import load_config
 from training.features import NUM_DENSE, NUM_SPARSE
 from training.loader import Arrays, make_batch

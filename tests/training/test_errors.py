@@ -37,7 +37,7 @@ def _one_error_line(stderr: str, launcher: bool = False) -> str:
         (["--data", "/nonexistent/day_0.tsv"], "data file not found: /nonexistent/day_0.tsv"),
         (
             ["model.embeding_dim=8"],
-            "unknown key 'model.embeding_dim' (did you mean 'embedding_dim'?)",
+            "unknown key 'model.embeding_dim' (did you mean 'model.embedding_dim'?)",
         ),
         (["model.num_embeddings=[128,0]"], "has 2 entries"),
         (

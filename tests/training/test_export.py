@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from serving.codec import slice_examples
 from tests.conftest import run_export
 
 pytestmark = pytest.mark.slow
@@ -89,7 +88,11 @@ def test_batch_scores_equal_per_row_scores_at_any_batch_size(
     dense, values, lengths = (torch.from_numpy(s[k]) for k in ("dense", "values", "lengths"))
 
     def rows(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return slice_examples(dense, values, lengths, lo, hi)
+        """Examples [lo, hi) of the feature-major batch (ids grouped by feature)."""
+        by_feature = torch.split(values, lengths.sum(dim=1).tolist())
+        pairs = zip(by_feature, lengths, strict=True)
+        ids = [f[int(n[:lo].sum()) : int(n[:hi].sum())] for f, n in pairs]
+        return dense[lo:hi], torch.cat(ids), lengths[:, lo:hi].contiguous()
 
     with torch.inference_mode():
         full = m(dense, values, lengths)

@@ -68,7 +68,7 @@ def test_error_in_file_names_the_file(tmp_path: Path) -> None:
     bad.write_text("[train]\nbatch_sise = 3\n")
     with pytest.raises(
         ConfigError,
-        match=r"bad.toml: unknown key 'train.batch_sise' \(did you mean 'batch_size'\?\)",
+        match=r"bad.toml: unknown key 'train.batch_sise' \(did you mean 'train.batch_size'\?\)",
     ):
         load_config(bad)
 

@@ -17,13 +17,16 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from tqdm import tqdm
 
+from recsys_stack.progress import progress as progress_bar
 from training.errors import DataError
 from training.features import DENSE_NAMES, MISSING_ID, NUM_DENSE, NUM_SPARSE, SPARSE_NAMES
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -259,12 +262,12 @@ class CriteoReader:
         self.report = ParseReport()
         self.file_rows = {}
         total = sum(p.stat().st_size for p in self.paths)
-        with tqdm(
+        with progress_bar(
             total=total,
             unit="B",
             unit_scale=True,
             desc="parse",
-            disable=None if self.progress else True,
+            disable=not self.progress,
         ) as bar:
             for path in self.paths:
                 yield from self._read_file(path, bar)

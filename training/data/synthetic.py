@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
+from recsys_stack.progress import progress as progress_bar
 from training.data.stats import roc_auc
 from training.features import NUM_DENSE, NUM_SPARSE
 
@@ -249,12 +249,12 @@ def generate(
     try:
         with (
             tmp_tsv.open("w", encoding="ascii", newline="") as f,
-            tqdm(
+            progress_bar(
                 total=spec.rows,
                 unit="row",
                 unit_scale=True,
                 desc="generate",
-                disable=None if progress else True,
+                disable=not progress,
             ) as bar,
         ):
             for i, start in enumerate(range(0, spec.rows, chunk_rows)):

@@ -1,5 +1,89 @@
+"""``python -m training.export --run-dir runs/demo``: parse, run the export pipeline, report.
+
+The pipeline itself is :func:`training.export.pipeline.run_export`; its config,
+:class:`~training.export.pipeline.ExportConfig`, comes from ``--config FILE.toml``, a flag per
+field (``--run-dir``, ``--quant``, ``--no-archive``, ...) and ``key=value`` overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
 import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
 
-from training.export.cli import main
+from recsys_stack import config as shared
+from training.config import load_stage_config
+from training.errors import RecsysError
+from training.export.pipeline import ExportConfig, logger, run_export
 
-sys.exit(main())
+
+def format_report(summary: dict[str, Any]) -> str:
+    schema, parity = summary["schema"], summary["parity"]
+    lines = [f"export: {summary['export_dir']}", f"archive: {summary['mar'] or '(skipped)'}", ""]
+    sizes = {v: d["bytes"] for v, d in schema["variants"].items()}
+    lines.append("variant   size MiB   vs fp32   AUC       max|Δp| vs eager")
+    for v, b in sizes.items():
+        lines.append(
+            f"{v:<8} {b / 2**20:>9.2f} {sizes['fp32'] / b:>8.2f}x  {parity['auc'][v]:.5f}   {parity['max_abs_diff'][v]:.2e}"
+        )
+    lines.append(
+        f"eager    {'':>9} {'':>9}  {parity['auc']['eager']:.5f}   (reference, {parity['rows']} rows)"
+    )
+    lines.append("")
+    lines.append("in-process latency, ms (p50 / p99)")
+    lat = parity["latency"]
+    batches = list(next(iter(lat.values())))
+    lines.append("model    " + "".join(f"{'batch ' + b:>18}" for b in batches))
+    for model, per in lat.items():
+        lines.append(
+            f"{model:<8} "
+            + "".join(f"{per[b]['p50_ms']:>9.2f} / {per[b]['p99_ms']:<6.2f}" for b in batches)
+        )
+    for c in parity["checks"]:
+        lines.append(
+            f"{'ok  ' if c['ok'] else 'FAIL'} {c['check']} = {c['value']:.2e} (limit {c['limit']:.0e})"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m training.export",
+        usage="%(prog)s (--run-dir DIR | --checkpoint DIR) [options] [key=value ...]",
+        description="Export a training checkpoint as self-contained TorchScript (fp32 and "
+        "quantized embeddings), check parity against the eager model on held-out rows, and "
+        "archive it as a versioned TorchServe .mar.",
+    )
+    return shared.add_config_args(p, ExportConfig)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ExportConfig:
+    """``argv`` -> the export config. Raises ConfigError (a bad key, or no checkpoint named)."""
+    ecfg = load_stage_config(ExportConfig, build_parser().parse_intermixed_args(argv))
+    ecfg.validate()
+    return ecfg
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from training.train import configure_logging
+
+    verbose = os.environ.get("RECSYS_VERBOSE", "") not in ("", "0")
+    configure_logging(rank=0, verbose=verbose)
+    if not verbose:  # TorchScript compiling torchrec classes warns through the ast module
+        warnings.filterwarnings("ignore", message="The TorchScript type system")
+    try:
+        ecfg = parse_args(argv)
+        summary = run_export(ecfg)
+    except RecsysError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(summary))
+    logger.debug("config %s", shared.to_dict(ecfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

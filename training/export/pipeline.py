@@ -1,6 +1,6 @@
-"""``python -m training.export --run-dir runs/demo``: checkpoint -> TorchScript -> model store.
+"""The export pipeline: checkpoint -> TorchScript variants -> parity -> schema -> model store.
 
-Writes ``<run>/export/`` (``model_fp32.pt``, ``model_<quant>.pt``, ``schema.json``,
+:func:`run_export` (``python -m training.export --run-dir runs/demo``, see ``__main__``) writes ``<run>/export/`` (``model_fp32.pt``, ``model_<quant>.pt``, ``schema.json``,
 ``parity.json``, ``sample.npz``) and ``model_store/<name>-<version>.mar``. Everything is built
 in a temporary folder and moved into place only when parity holds (or ``--force`` is given and
 recorded), so a failed export leaves the previous export and the model store untouched.
@@ -8,24 +8,21 @@ recorded), so a failed export leaves the previous export and the model store unt
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import shutil
-import sys
 import time
-import warnings
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from training.errors import DataError, RecsysError
+from training.errors import ConfigError, DataError
 from training.export.archive import archive, check_target
 from training.export.parity import latency_report, parity_report, predict
 from training.export.scorer import (
@@ -48,12 +45,14 @@ HANDLER_MODULES = ("codec.py", "scoring.py")
 
 @dataclass
 class ExportConfig:
+    """What to export and where (``--config FILE.toml``, a flag per field, or key=value)."""
+
     run_dir: Path | None = None
     """Run directory whose checkpoints/latest is exported."""
     checkpoint: Path | None = None
     """A specific step directory instead of the run's latest."""
-    quant: str = "int8"
-    """Embedding variant served from the .mar: int8 | fp16 | none (= fp32)."""
+    quant: Literal["int8", "fp16", "none"] = "int8"
+    """Embedding variant served from the .mar (none = fp32); fp32 is always exported too."""
     name: str = ""
     """Model name (default: dlrm-<preset>)."""
     version: str = ""
@@ -61,9 +60,9 @@ class ExportConfig:
     model_store: Path = Path("model_store")
     """Where the .mar goes."""
     handler: Path = Path("serving/handler.py")
-    """TorchServe handler archived with the model."""
+    """TorchServe handler archived with the model (its codec.py and scoring.py beside it)."""
     parity_rows: int = 20_000
-    """Held-out rows for the parity check (the run's eval split unless --eval-data)."""
+    """Held-out rows for the parity check (the run's eval split unless eval_data)."""
     eval_data: Path | None = None
     """A Criteo TSV to check parity on instead of the run's eval split."""
     force: bool = False
@@ -73,6 +72,12 @@ class ExportConfig:
     archive: bool = True
     """Build the .mar (off: only the export directory)."""
     progress: bool = True
+    """Progress bars while the parity rows are generated or preprocessed."""
+
+    def validate(self) -> None:
+        """Raise ConfigError when the config names no checkpoint."""
+        if self.run_dir is None and self.checkpoint is None:
+            raise ConfigError("give --run-dir or --checkpoint (run_dir / checkpoint)")
 
 
 def _sha256(path: Path) -> str:
@@ -156,8 +161,9 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
     run_dir = ecfg.run_dir or ckpt.parent.parent
     dlrm, cfg, meta = load_dlrm(ckpt)
     step = meta.get("progress", {}).get("step", 0)
-    ecfg.name = ecfg.name or f"dlrm-{cfg.name}"
-    ecfg.version = ecfg.version or str(step)
+    ecfg = dataclasses.replace(
+        ecfg, name=ecfg.name or f"dlrm-{cfg.name}", version=ecfg.version or str(step)
+    )
     if ecfg.archive:
         check_target(ecfg.model_store, ecfg.name, ecfg.version, ecfg.overwrite)
     arrays = parity_arrays(ecfg, cfg)
@@ -219,98 +225,3 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
         "schema": schema,
         "parity": parity,
     }
-
-
-def format_report(summary: dict[str, Any]) -> str:
-    schema, parity = summary["schema"], summary["parity"]
-    lines = [f"export: {summary['export_dir']}", f"archive: {summary['mar'] or '(skipped)'}", ""]
-    sizes = {v: d["bytes"] for v, d in schema["variants"].items()}
-    lines.append("variant   size MiB   vs fp32   AUC       max|Δp| vs eager")
-    for v, b in sizes.items():
-        lines.append(
-            f"{v:<8} {b / 2**20:>9.2f} {sizes['fp32'] / b:>8.2f}x  {parity['auc'][v]:.5f}   {parity['max_abs_diff'][v]:.2e}"
-        )
-    lines.append(
-        f"eager    {'':>9} {'':>9}  {parity['auc']['eager']:.5f}   (reference, {parity['rows']} rows)"
-    )
-    lines.append("")
-    lines.append("in-process latency, ms (p50 / p99)")
-    lat = parity["latency"]
-    batches = list(next(iter(lat.values())))
-    lines.append("model    " + "".join(f"{'batch ' + b:>18}" for b in batches))
-    for model, per in lat.items():
-        lines.append(
-            f"{model:<8} "
-            + "".join(f"{per[b]['p50_ms']:>9.2f} / {per[b]['p99_ms']:<6.2f}" for b in batches)
-        )
-    for c in parity["checks"]:
-        lines.append(
-            f"{'ok  ' if c['ok'] else 'FAIL'} {c['check']} = {c['value']:.2e} (limit {c['limit']:.0e})"
-        )
-    return "\n".join(lines)
-
-
-def parse_args(argv: Sequence[str] | None = None) -> ExportConfig:
-    p = argparse.ArgumentParser(
-        prog="python -m training.export",
-        description="Export a training checkpoint as self-contained TorchScript (fp32 and "
-        "quantized embeddings), check parity against the eager model on held-out rows, and "
-        "archive it as a versioned TorchServe .mar.",
-    )
-    d = ExportConfig()
-    p.add_argument("--run-dir", type=Path, help="run directory (its checkpoints/latest)")
-    p.add_argument("--checkpoint", type=Path, help="a step directory instead of latest")
-    p.add_argument(
-        "--quant",
-        choices=["int8", "fp16", "none"],
-        default=d.quant,
-        help="served embedding variant (default int8)",
-    )
-    p.add_argument("--name", default="", help="model name (default dlrm-<preset>)")
-    p.add_argument("--version", default="", help="model version (default: the checkpoint step)")
-    p.add_argument("--model-store", type=Path, default=d.model_store, help="default model_store/")
-    p.add_argument("--handler", type=Path, default=d.handler, help="default serving/handler.py")
-    p.add_argument(
-        "--parity-rows",
-        type=int,
-        default=d.parity_rows,
-        help="held-out rows checked (default 20000)",
-    )
-    p.add_argument(
-        "--eval-data",
-        type=Path,
-        help="Criteo TSV for the parity check instead of the run's eval split",
-    )
-    p.add_argument("--force", action="store_true", help="export even if parity fails (recorded)")
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace an existing <name>-<version>.mar"
-    )
-    p.add_argument("--no-archive", action="store_true", help="only write <run>/export/")
-    p.add_argument("--no-progress", action="store_true")
-    ns = p.parse_args(argv)
-    if ns.run_dir is None and ns.checkpoint is None:
-        p.error("give --run-dir or --checkpoint")
-    return ExportConfig(
-        run_dir=ns.run_dir, checkpoint=ns.checkpoint, quant=ns.quant, name=ns.name,
-        version=ns.version, model_store=ns.model_store, handler=ns.handler,
-        parity_rows=ns.parity_rows, eval_data=ns.eval_data, force=ns.force,
-        overwrite=ns.overwrite, archive=not ns.no_archive, progress=not ns.no_progress,
-    )  # fmt: skip
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from training.train import configure_logging
-
-    verbose = os.environ.get("RECSYS_VERBOSE", "") not in ("", "0")
-    configure_logging(rank=0, verbose=verbose)
-    if not verbose:  # TorchScript compiling torchrec classes warns through the ast module
-        warnings.filterwarnings("ignore", message="The TorchScript type system")
-    try:
-        ecfg = parse_args(argv)
-        summary = run_export(ecfg)
-    except RecsysError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_report(summary))
-    logger.debug("config %s", asdict(ecfg))
-    return 0

@@ -1,0 +1,89 @@
+"""Held-out evaluation during training: AUC, NE (and oracle AUC on synthetic data).
+
+:class:`Evaluator` decides when (``should_evaluate``) and records what (``evaluate``): every
+``train.eval_every`` steps on the first ``train.eval_rows`` held-out rows, and at the end on
+all of them, each record appended to ``metrics.jsonl`` with the training window's loss and rate.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from training.checkpoint import Progress
+from training.config import Config
+from training.loader import Arrays, eval_batches
+from training.loop import Window, mean_over_ranks
+from training.metrics import EvalMetrics, MetricsLog
+
+logger = logging.getLogger("training")
+
+
+def evaluate(
+    model: nn.Module, arrays: Arrays, cfg: Config, rank: int, world: int
+) -> dict[str, float]:
+    """AUC, NE (and oracle AUC on synthetic data) over ``arrays``, gathered over all ranks."""
+    local_batch = cfg.train.batch_size // world
+    metrics = EvalMetrics(local_batch, with_oracle=arrays.prob is not None)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for mb in eval_batches(
+            arrays,
+            batch_size=local_batch,
+            rank=rank,
+            world_size=world,
+            rows_per_table=cfg.model.rows(),
+        ):
+            batch = mb.batch.to(next(model.parameters()).device)
+            _, (_, logits, labels) = model(batch)
+            metrics.update(torch.sigmoid(logits.float().cpu()), labels.cpu(), mb.weights, mb.prob)
+    model.train(was_training)
+    return metrics.compute()
+
+
+class Evaluator:
+    """Periodic evaluations on a prefix of the eval split; the final one on all of it."""
+
+    def __init__(
+        self, cfg: Config, eval_arrays: Arrays, log: MetricsLog, rank: int, world: int
+    ) -> None:
+        self.cfg, self.log, self.rank, self.world = cfg, log, rank, world
+        self.every = cfg.train.eval_every
+        self.full = eval_arrays
+        rows = cfg.train.eval_rows
+        self.subset = eval_arrays.rows(0, rows) if rows else eval_arrays
+        self.last: dict[str, Any] = {}  # the latest record (empty before the first)
+
+    def should_evaluate(self, step: int, at_end: bool) -> bool:
+        return bool(self.every and step % self.every == 0) or at_end
+
+    def evaluated(self, step: int) -> bool:
+        """Whether the latest record is of ``step``."""
+        return bool(self.last) and self.last.get("step") == step
+
+    def evaluate(
+        self, model: nn.Module, progress: Progress, window: Window, final: bool
+    ) -> dict[str, Any]:
+        """One record: where training stands, its window's loss and rate, the eval metrics."""
+        w = window
+        record: dict[str, Any] = {
+            "step": progress.step,
+            "epoch": progress.epoch,
+            "samples_seen": progress.samples_seen,
+            "samples_per_sec": round(w.samples_per_sec() or 0.0, 1) or None,
+            "train_loss": mean_over_ranks(w.loss_sum / w.steps) if w.steps else None,
+        }
+        arrays = self.full if final else self.subset
+        record.update(evaluate(model, arrays, self.cfg, self.rank, self.world))
+        if "oracle_auc" in record:
+            record["auc_vs_oracle"] = record["auc"] / record["oracle_auc"]
+        self.log.write(record)
+        if self.rank == 0:
+            rounded = {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}
+            logger.info("eval %s", rounded)
+        self.last = record
+        return record
