@@ -112,7 +112,7 @@ def step_load(cfg: LoadConfig, out: Path) -> tuple[list[dict[str, Any]], dict[st
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = rc.ArgumentParser(
         prog="python -m loadtest.run",
         description=__doc__.split("\n\n")[0],
         epilog="Exit codes: 0 ok, 1 the gateway or Locust failed, 2 bad options, 3 an SLO broken.",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import tomllib
 import types
@@ -40,7 +41,7 @@ from recsys_stack.typed import (
 )
 
 __all__ = [
-    "ENV", "ConfigError", "Key", "add_config_args", "build", "config_parser", "env_field",
+    "ENV", "ArgumentParser", "ConfigError", "Key", "add_config_args", "build", "config_parser", "env_field",
     "field_docs", "from_args", "iter_keys", "load", "merge", "overrides_from", "parse",
     "parse_override", "to_dict",
 ]  # fmt: skip
@@ -286,7 +287,7 @@ def add_config_args(
 def _example(cls: type) -> str:
     keys = list(iter_keys(cls))
     key = next((k for k in keys if "." in k.path), keys[0] if keys else None)
-    if key is None or key.default is dataclasses.MISSING:
+    if key is None or key.default in (dataclasses.MISSING, None):
         return ""
     value = key.default
     shown = (
@@ -309,9 +310,23 @@ def from_args(cls: type[T], ns: argparse.Namespace, environ: Mapping[str, str] |
     return load(cls, getattr(ns, "config", None), overrides_from(ns), environ)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors, and a suggestion for a misspelled option."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        unknown = message.removeprefix("unrecognized arguments: ")
+        if unknown != message:
+            first = unknown.split()[0]
+            options = [o for o in self._option_string_actions if o.startswith("--")]
+            close = difflib.get_close_matches(first.split("=")[0], options, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            message = f"unrecognized option '{first}'{hint}"
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def config_parser(cls: type, prog: str, description: str, **kwargs: Any) -> argparse.ArgumentParser:
     """A parser with only the config arguments (``--config``, flags, overrides)."""
-    p = argparse.ArgumentParser(prog=prog, description=description, **kwargs)
+    p = ArgumentParser(prog=prog, description=description, **kwargs)
     return add_config_args(p, cls)
 
 

@@ -38,6 +38,7 @@ class _LogBar(tqdm):  # type: ignore[misc]
     def __init__(self, *args: Any, interval: float = 30.0, **kwargs: Any) -> None:
         self._interval = interval
         self._last = 0.0
+        self._shown = -1
         kwargs["file"] = _Lines(kwargs.get("file") or sys.stderr)
         kwargs["mininterval"] = interval
         kwargs["dynamic_ncols"] = False
@@ -52,6 +53,7 @@ class _LogBar(tqdm):  # type: ignore[misc]
         ):
             return
         self._last = now
+        self._shown = self.n
         d = self.format_dict
         rate = d.get("rate") or (self.n / d["elapsed"] if d.get("elapsed") else 0.0)
         total = f"/{self.total}" if self.total else ""
@@ -63,9 +65,9 @@ class _LogBar(tqdm):  # type: ignore[misc]
         self.fp.flush()
 
     def close(self) -> None:
-        if not self.disable and self.n and self.total is None:
-            self.display(msg="")  # a last line for open-ended bars
-        self.disable_display = True
+        if not self.disable and self.n != self._shown:
+            self.display(msg="")  # a last line with the final count
+        self.disable = True  # tqdm's own close would redraw
         super().close()
 
     def clear(self, *args: Any, **kwargs: Any) -> None:  # no carriage returns to clear

@@ -19,11 +19,6 @@ def test_non_tty_bar_writes_no_frames_for_a_fast_loop() -> None:
     assert "\r" not in text and len(text.splitlines()) <= 1, text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="recsys_stack.progress._LogBar: tqdm.close() sets disable before display(), "
-    "so a bar with a total never prints its final line (remove this mark once fixed)",
-)
 def test_non_tty_bar_with_a_total_ends_with_a_summary_line() -> None:
     out = io.StringIO()
     with progress(total=10_000, desc="parse", unit="row", file=out) as bar:

@@ -218,7 +218,7 @@ def format_report(result: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's own flags, then the training config's (``--config``, flags, overrides)."""
-    p = argparse.ArgumentParser(
+    p = shared.ArgumentParser(
         prog="python -m training.bench",
         usage="%(prog)s [bench options] [--config FILE.toml] [config flags] [section.key=value ...]",
         description=(

@@ -267,7 +267,7 @@ class RunArgs:
 
 def build_parser() -> argparse.ArgumentParser:
     """The training command line: run options, ``--config``, a flag per field, overrides."""
-    p = argparse.ArgumentParser(
+    p = shared.ArgumentParser(
         prog="torchrun --nproc_per_node=N -m training.train",
         description=(
             "Train a sharded DLRM with TorchRec. Embedding tables are placed by TorchRec's "

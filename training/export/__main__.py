@@ -50,7 +50,7 @@ def format_report(summary: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = shared.ArgumentParser(
         prog="python -m training.export",
         usage="%(prog)s (--run-dir DIR | --checkpoint DIR) [options] [key=value ...]",
         description="Export a training checkpoint as self-contained TorchScript (fp32 and "
