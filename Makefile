@@ -68,10 +68,14 @@ export: setup  ## export RUN's latest checkpoint: TorchScript fp32 + QUANT (int8
 		$(if $(VERSION),--version $(VERSION)) $(EXPORT_ARGS)
 
 serve: setup  ## start TorchServe + the gRPC gateway for RUN's export in the background; waits until SERVING
-	$(PY) -m serving.stack start --schema $(RUN)/export/schema.json
+	$(PY) -m serving.supervisor start --gateway.schema $(RUN)/export/schema.json $(SERVE_ARGS)
 
 stop:  ## stop the gateway (gracefully) and TorchServe
-	@if [ -x $(PY) ]; then $(PY) -m serving.stack stop; fi
+	@if [ -x $(PY) ]; then $(PY) -m serving.supervisor stop $(SERVE_ARGS); fi
+
+.PHONY: status
+status:  ## what `make serve` started: TorchServe's READY workers, the gateway's health
+	@$(PY) -m serving.supervisor status $(SERVE_ARGS)
 
 score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the synthetic set) through the gateway
 	$(PY) -m serving.client --rows $(ROWS) --data $(or $(DATA),$(firstword $(wildcard data/synthetic/*.tsv)))

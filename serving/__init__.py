@@ -1,1 +1,4 @@
-"""Serving stage: TorchServe handler and (later) the gRPC gateway. Never imports training/."""
+"""Serving stage: TorchServe (handler, supervision) and the torch-free gRPC gateway and client.
+
+Never imports training/: what they share is the exported artifact and its schema file.
+"""

@@ -11,7 +11,6 @@ allows, so stopping one replica costs at most the calls already waiting on it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,13 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import torch
+import numpy as np
 
 from serving.codec import encode_request
-from serving.protos import ensure_generated
-
-ensure_generated()
-from serving._gen import inference_pb2, inference_pb2_grpc  # noqa: E402
+from serving.torchserve.client import inference_stub, predictions_request
+from serving.torchserve.keys import KeyFileError, KeySource
 
 logger = logging.getLogger("serving.backends")
 RECONNECT_OPTIONS = (
@@ -45,30 +42,11 @@ class BackendError(Exception):
         self.message = message
 
 
-def read_inference_key(path: Path) -> str:
-    try:
-        return str(json.loads(path.read_text())["inference"]["key"])
-    except (OSError, KeyError, ValueError) as e:
-        raise RuntimeError(f"cannot read TorchServe's inference key from {path}: {e}") from None
-
-
-class KeySource:
-    """TorchServe writes new keys each time it starts: re-read the file when it changes."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._mtime = -1
-        self._metadata: tuple[tuple[str, str], ...] = ()
-
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        try:
-            mtime = self.path.stat().st_mtime_ns
-        except OSError:
-            return self._metadata  # TorchServe restarting: keep the last key, calls will say why
-        if mtime != self._mtime:
-            self._metadata = (("authorization", f"Bearer {read_inference_key(self.path)}"),)
-            self._mtime = mtime
-        return self._metadata
+def probe_body(dense: int, sparse: int) -> bytes:
+    """A one-example request (zeros, no ids) of the schema's shape: the health probe."""
+    return encode_request(
+        np.zeros((1, dense), np.float32), np.zeros(0, np.int64), np.zeros((sparse, 1), np.int32)
+    )
 
 
 def map_backend_error(
@@ -117,10 +95,6 @@ class BackendPool:
         deadline_s: float,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        if len(key_files) not in (1, len(targets)):
-            raise ValueError(
-                f"{len(key_files)} key files for {len(targets)} backends: give one, or one per backend"
-            )
         files = list(key_files) * len(targets) if len(key_files) == 1 else list(key_files)
         # gRPC backs off reconnecting up to 120 s by default: a replica restarted after a long
         # outage would stay out of rotation that long. Retry at least every second instead.
@@ -128,7 +102,7 @@ class BackendPool:
         self.backends = []
         for target, key_file in zip(targets, files, strict=True):
             channel = grpc.aio.insecure_channel(target, options=channel_options)
-            stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
+            stub = inference_stub(channel)
             self.backends.append(Backend(target, KeySource(key_file), channel, stub))
         self.model_name = model_name
         self.deadline_s = deadline_s
@@ -163,19 +137,13 @@ class BackendPool:
                 break
             client_bound = left is not None and left < self.deadline_s
             try:
-                reply = await backend.stub.Predictions(
-                    inference_pb2.PredictionsRequest(
-                        model_name=self.model_name, model_version=version, input={"data": body}
-                    ),
-                    metadata=backend.keys.metadata(),
-                    timeout=left if client_bound else self.deadline_s,
-                )
+                reply = await self._call(backend, version, body, left if client_bound else None)
                 backend.calls += 1
                 return bytes(reply.prediction), backend.target
             except grpc.aio.AioRpcError as e:
                 code, message = map_backend_error(e, client_bound, self.deadline_s)
                 last = BackendError(code, f"{backend.target}: {message}")
-            except RuntimeError as e:  # key file unreadable while that TorchServe restarts
+            except KeyFileError as e:  # key file unreadable while that TorchServe restarts
                 last = BackendError(grpc.StatusCode.UNAVAILABLE, f"{backend.target}: {e}")
             if last.code != grpc.StatusCode.UNAVAILABLE:
                 raise last
@@ -184,22 +152,21 @@ class BackendPool:
             backend.healthy = False
         raise last or BackendError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
 
-    async def probe(self, backend: Backend, version: str, dense: int, sparse: int) -> bool:
-        body = encode_request(
-            torch.zeros(1, dense),
-            torch.zeros(0, dtype=torch.int64),
-            torch.zeros(sparse, 1, dtype=torch.int32),
+    async def _call(
+        self, backend: Backend, version: str, body: bytes, timeout: float | None = None
+    ) -> Any:
+        """One ``Predictions`` call; ``timeout`` None = the backend deadline."""
+        return await backend.stub.Predictions(
+            predictions_request(self.model_name, version, body),
+            metadata=backend.keys.metadata(),
+            timeout=self.deadline_s if timeout is None else timeout,
         )
+
+    async def probe(self, backend: Backend, version: str, dense: int, sparse: int) -> bool:
         try:
-            await backend.stub.Predictions(
-                inference_pb2.PredictionsRequest(
-                    model_name=self.model_name, model_version=version, input={"data": body}
-                ),
-                metadata=backend.keys.metadata(),
-                timeout=self.deadline_s,
-            )
+            await self._call(backend, version, probe_body(dense, sparse))
             return True
-        except (grpc.aio.AioRpcError, RuntimeError):
+        except (grpc.aio.AioRpcError, KeyFileError):
             return False
 
     async def refresh(self, version: str, dense: int, sparse: int) -> bool:

@@ -34,14 +34,15 @@ from typing import Any
 import grpc
 import numpy as np
 
-from serving import torchserve as ts
+from recsys_stack.net import free_ports
 from serving.client import build_request
 from serving.codec import to_rows
-from serving.protos import ensure_generated
-from serving.stack import gateway_status
-
-ensure_generated()
-from serving._gen.recsys.v1 import ranker_pb2_grpc  # noqa: E402
+from serving.config import GatewayConfig
+from serving.stubs import ranker_pb2_grpc
+from serving.supervisor import launch_gateway, wait_serving
+from serving.torchserve import process
+from serving.torchserve.config import TorchServeConfig
+from serving.torchserve.keys import inference_key
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,26 +157,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         name, version = schema["model"]["name"], schema["model"]["version"]
         store = work / "store" if ns.export is None else Path("model_store")
         data = inputs(export, ns.examples)
-        ports = ts.free_ports(6)
-        cfg = ts.TorchServeConfig(
+        ports = free_ports(6)
+        cfg = TorchServeConfig(
             inference_port=ports[0], management_port=ports[1], metrics_port=ports[2],
             grpc_inference_port=ports[3], grpc_management_port=ports[4], model_store=store,
             mar_file=f"{name}-{version}.mar", model_name=name, model_version=version, workdir=work / "ts",
             batch_size=4, max_batch_delay_ms=2,
         )  # fmt: skip
-        torchserve = ts.start(cfg)
+        torchserve = process.start(cfg)
         procs.append(torchserve)
-        ts.wait_ready(cfg, timeout=240, proc=torchserve)
+        process.wait_ready(cfg, timeout=240, proc=torchserve)
         target = f"127.0.0.1:{ports[5]}"
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "serving.gateway", "--schema", str(export / "schema.json"), "--port", str(ports[5]),
-             "--backend", cfg.grpc_inference_target, "--key-file", str(cfg.key_file), "--deadline", "10"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        gcfg = GatewayConfig(
+            schema=export / "schema.json", port=ports[5], backend=cfg.grpc_inference_target,
+            key_file=str(cfg.key_file), deadline_s=10.0,
         )  # fmt: skip
+        gateway = launch_gateway(gcfg, work / "gateway.log")
         procs.append(gateway)
-        while gateway_status(target) != "SERVING":
-            time.sleep(0.2)
-        key = ts.inference_key(cfg)
+        wait_serving(target, gateway, timeout=120)
+        key = inference_key(cfg.key_file)
         methods = _methods(export, data, cfg, key, name, version, target)
         results: dict[str, dict[int, list[float]]] = {m: {1: [], 4: []} for m in methods}
         walls: dict[str, dict[int, float]] = {m: {1: 0.0, 4: 0.0} for m in methods}
@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for proc in reversed(procs):
             if proc is procs[0]:
-                ts.stop(proc)
+                process.stop(proc)
             else:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=30)
@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _methods(
     export: Path,
     data: dict[str, Any],
-    cfg: ts.TorchServeConfig,
+    cfg: TorchServeConfig,
     key: str,
     name: str,
     version: str,

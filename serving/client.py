@@ -1,26 +1,25 @@
 """Client of the gateway: Criteo TSV rows -> ``recsys.v1.ScoreRequest`` -> scores.
 
-``python -m serving.client --data rows.tsv`` prints one probability per row (with the label
-when the file has one). Also a library for tests and load tests: :func:`parse_rows`,
-:func:`build_request`, :class:`RankerClient`. Serving never imports training: the TSV parser
+``python -m serving.client --data rows.tsv`` (``recsys-score``, ``make score``) prints one
+probability per row (with the label when the file has one). Also a library for tests, the
+load generator and the supervisor: :func:`parse_rows`, :func:`build_request`,
+:class:`RankerClient`, :func:`gateway_status`. Serving never imports training: the TSV parser
 here is deliberately small (label optional; 13 ints; 26 hex ids; empty = missing).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving.protos import ensure_generated
-
-ensure_generated()
-from serving._gen.recsys.v1 import ranker_pb2, ranker_pb2_grpc  # noqa: E402
+from recsys_stack.config import ConfigError, parse
+from serving.config import ClientConfig
+from serving.stubs import ranker_pb2, ranker_pb2_grpc
 
 DENSE = [f"I{i}" for i in range(1, 14)]
 SPARSE = [f"C{i}" for i in range(1, 27)]
@@ -102,39 +101,55 @@ class RankerClient:
         self.channel.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import os
+def gateway_status(target: str, timeout: float = 1.0) -> str:
+    """SERVING / NOT_SERVING / UNREACHABLE of the gateway's grpc.health.v1 service."""
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            )
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+    except grpc.RpcError:
+        return "UNREACHABLE"
 
-    p = argparse.ArgumentParser(
-        prog="python -m serving.client", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument(
-        "--target", default=f"127.0.0.1:{os.environ.get('RECSYS_GATEWAY_PORT', '50051')}"
-    )
-    p.add_argument("--data", type=Path, required=True, help="Criteo TSV (label column optional)")
-    p.add_argument("--rows", type=int, default=10, help="rows to score (default 10)")
-    p.add_argument("--batch", type=int, default=100, help="examples per request")
-    ns = p.parse_args(argv)
+
+def read_rows(cfg: ClientConfig) -> Rows:
+    """The first ``cfg.rows`` rows of ``cfg.data``."""
+    if cfg.data is None:
+        raise ValueError("no rows to score: pass --data FILE.tsv")
+    with cfg.data.open() as f:
+        lines = [line for _, line in zip(range(cfg.rows), f, strict=False)]
+    return parse_rows(lines, str(cfg.data))
+
+
+def score_rows(cfg: ClientConfig, rows: Rows) -> Iterable[str]:
+    """``index<TAB>probability[<TAB>label=y]`` per row, ``cfg.batch`` rows per request."""
+    client = RankerClient(cfg.target, cfg.timeout_s)
     try:
-        with ns.data.open() as f:
-            lines = [line for _, line in zip(range(ns.rows), f, strict=False)]
-        rows = parse_rows(lines, str(ns.data))
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    client = RankerClient(ns.target)
-    try:
-        for lo in range(0, len(rows.dense), ns.batch):
-            hi = min(lo + ns.batch, len(rows.dense))
+        for lo in range(0, len(rows.dense), cfg.batch):
+            hi = min(lo + cfg.batch, len(rows.dense))
             scores = client.score(build_request(rows.dense[lo:hi], rows.sparse[lo:hi]))
             for i, s in enumerate(scores, lo):
                 label = f"\tlabel={int(rows.labels[i])}" if rows.labels is not None else ""
-                print(f"{i}\t{s:.6f}{label}")
+                yield f"{i}\t{s:.6f}{label}"
+    finally:
+        client.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point (``recsys-score``)."""
+    try:
+        cfg = parse(ClientConfig, argv, "python -m serving.client", __doc__.split("\n\n")[0])
+        rows = read_rows(cfg)
+    except (ConfigError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        for line in score_rows(cfg, rows):
+            print(line)
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]
         return 1
-    finally:
-        client.close()
     return 0
 
 

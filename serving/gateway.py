@@ -10,58 +10,26 @@ slow, INTERNAL only for what can only be a bug.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
-import numpy as np
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serving.backends import BackendError, BackendPool, read_inference_key
+from recsys_stack.config import ConfigError, parse
+from serving.backends import BackendError, BackendPool
 from serving.codec import CodecError, decode_response, encode_request
-from serving.protos import ensure_generated
-from serving.validate import InvalidRequest, Limits, Schema, validate
-
-ensure_generated()
-from serving._gen.recsys.v1 import ranker_pb2, ranker_pb2_grpc  # noqa: E402
+from serving.config import GatewayConfig
+from serving.stubs import ranker_pb2, ranker_pb2_grpc
+from serving.torchserve.keys import KeyFileError, read_keys
+from serving.validate import InvalidRequest, Schema, validate
 
 logger = logging.getLogger("serving.gateway")
 SERVICE = "recsys.v1.Ranker"
-
-
-@dataclass
-class GatewayConfig:
-    schema: Path = Path("runs/demo/export/schema.json")
-    """The exported model's schema.json (feature names and order, model name and version)."""
-    port: int = int(os.environ.get("RECSYS_GATEWAY_PORT", "50051"))
-    """Gateway port (env RECSYS_GATEWAY_PORT)."""
-    host: str = os.environ.get("RECSYS_GATEWAY_HOST", "127.0.0.1")
-    """Bind address (env RECSYS_GATEWAY_HOST)."""
-    backend: str = os.environ.get("RECSYS_TS_GRPC", "127.0.0.1:7070")
-    """TorchServe gRPC inference address(es), comma-separated: round robin over the healthy
-    ones, failover on an outage (env RECSYS_TS_GRPC)."""
-    key_file: str = os.environ.get("RECSYS_TS_KEY_FILE", "runs/serve/key_file.json")
-    """TorchServe key_file.json path(s): one for all backends or one per backend,
-    comma-separated; the inference key goes in the call metadata (env RECSYS_TS_KEY_FILE)."""
-    deadline_s: float = 2.0
-    """Deadline of each call to TorchServe."""
-    limits: Limits = field(default_factory=Limits)
-    health_interval_s: float = 1.0
-    """How often TorchServe's readiness is polled for the health service."""
-    grace_s: float = 5.0
-    """On SIGTERM: how long in-flight calls may finish."""
-
-    def key_files(self) -> list[Path]:
-        return [Path(p.strip()) for p in self.key_file.split(",") if p.strip()]
 
 
 class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
@@ -86,9 +54,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
                 f"model_version '{version}' is not served here (this gateway serves "
                 f"{self.schema.model_name} v{self.schema.model_version})",
             )
-        body = encode_request(
-            torch.from_numpy(dense), torch.from_numpy(values), torch.from_numpy(lengths)
-        )
+        body = encode_request(dense, values, lengths)
         try:
             prediction, backend = await self.pool.predict(body, version, context.time_remaining())
         except BackendError as e:
@@ -100,13 +66,13 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             await context.abort(
                 grpc.StatusCode.INTERNAL, f"TorchServe's reply does not decode: {e}"
             )
-        if scores.numel() != dense.shape[0]:
+        if scores.size != dense.shape[0]:
             await context.abort(
                 grpc.StatusCode.INTERNAL,
-                f"TorchServe returned {scores.numel()} scores for {dense.shape[0]} examples",
+                f"TorchServe returned {scores.size} scores for {dense.shape[0]} examples",
             )
         return ranker_pb2.ScoreResponse(
-            scores=np.asarray(scores, dtype=np.float32).tolist(),
+            scores=scores.tolist(),
             model_name=self.schema.model_name,
             model_version=version,
         )
@@ -140,7 +106,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         ("grpc.max_send_message_length", 2 * cfg.limits.max_request_bytes),
     ]
     pool = BackendPool(
-        [t.strip() for t in cfg.backend.split(",") if t.strip()],
+        cfg.backends(),
         cfg.key_files(),
         schema.model_name,
         cfg.deadline_s,
@@ -182,61 +148,21 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
-    d = GatewayConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m serving.gateway", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument(
-        "--schema",
-        type=Path,
-        default=d.schema,
-        help=f"schema.json of the served model (default {d.schema})",
-    )
-    p.add_argument("--host", default=d.host, help="bind address (env RECSYS_GATEWAY_HOST)")
-    p.add_argument(
-        "--port", type=int, default=d.port, help="port (env RECSYS_GATEWAY_PORT, default 50051)"
-    )
-    p.add_argument(
-        "--backend",
-        default=d.backend,
-        help="TorchServe gRPC inference host:port[,host:port...]: round robin over the healthy "
-        "ones (env RECSYS_TS_GRPC)",
-    )
-    p.add_argument(
-        "--key-file",
-        default=d.key_file,
-        help="TorchServe key_file.json, or one per backend, comma-separated (env RECSYS_TS_KEY_FILE)",
-    )
-    p.add_argument(
-        "--deadline",
-        type=float,
-        default=d.deadline_s,
-        help="seconds per TorchServe call (default 2)",
-    )
-    p.add_argument("--max-examples", type=int, default=d.limits.max_examples)
-    p.add_argument("--max-ids-per-feature", type=int, default=d.limits.max_ids_per_feature)
-    p.add_argument("--max-request-bytes", type=int, default=d.limits.max_request_bytes)
-    ns = p.parse_args(argv)
-    return GatewayConfig(
-        schema=ns.schema, port=ns.port, host=ns.host, backend=ns.backend, key_file=ns.key_file,
-        deadline_s=ns.deadline,
-        limits=Limits(ns.max_examples, ns.max_ids_per_feature, ns.max_request_bytes),
-    )  # fmt: skip
+    """``argv`` -> the gateway's config (``--help`` lists every key with its docstring)."""
+    return parse(GatewayConfig, argv, "python -m serving.gateway", __doc__.split("\n\n")[0])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point (``recsys-gateway``): check the schema and key files, then serve."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    cfg = parse_args(argv)
     try:
+        cfg = parse_args(argv)
         Schema.load(cfg.schema)
-        backends = [t for t in cfg.backend.split(",") if t.strip()]
-        if len(cfg.key_files()) not in (1, len(backends)):
-            raise ValueError(f"{len(cfg.key_files())} key files for {len(backends)} backends")
         for path in cfg.key_files():
-            read_inference_key(path)
-    except (OSError, KeyError, ValueError, RuntimeError) as e:
+            read_keys(path)
+    except (ConfigError, OSError, KeyError, ValueError, KeyFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     asyncio.run(serve(cfg))

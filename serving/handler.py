@@ -27,10 +27,10 @@ except ImportError:  # pragma: no cover - unit tests without TorchServe
 
 try:  # TorchServe puts the archive's extra files beside the handler, not in a package
     from codec import REJECTION, CodecError, decode_json, encode_response  # type: ignore[import-not-found]
-    from scoring import ScoringModel  # type: ignore[import-not-found]
+    from scoring import ScoringModel, to_tensors  # type: ignore[import-not-found]
 except ImportError:
     from serving.codec import REJECTION, CodecError, decode_json, encode_response
-    from serving.scoring import ScoringModel
+    from serving.scoring import ScoringModel, to_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +77,8 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
                     body = json.loads(body)
                 as_json.append(isinstance(body, dict))
                 if isinstance(body, dict):
-                    decoded.append(
-                        decode_json(body, self.scoring.dense_names, self.scoring.sparse_names)
-                    )
+                    names = self.scoring.dense_names, self.scoring.sparse_names
+                    decoded.append(to_tensors(*decode_json(body, *names)))
                 elif isinstance(body, bytes | bytearray):
                     decoded.append(self.scoring.decode(body))
                 else:

@@ -1,5 +1,7 @@
 """The exported artifact and its schema, independent of TorchServe (used by the handler).
 
+The torch side of the wire format: :func:`to_tensors` wraps the codec's zero-copy numpy views,
+:func:`slice_examples` and :meth:`ScoringModel.forward` cut and join encoded batches.
 Shapes: ``B`` examples, ``F`` = 26 sparse features; ids are grouped feature-major.
 """
 
@@ -8,12 +10,32 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 try:  # inside a TorchServe worker, archive files sit side by side
     from codec import decode_request  # type: ignore[import-not-found]
 except ImportError:
     from serving.codec import decode_request
+
+Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def to_tensors(dense: np.ndarray, values: np.ndarray, lengths: np.ndarray) -> Tensors:
+    """The codec's arrays as tensors, sharing their memory (no copy)."""
+    return torch.from_numpy(dense), torch.from_numpy(values), torch.from_numpy(lengths)
+
+
+def slice_examples(
+    dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, lo: int, hi: int
+) -> Tensors:
+    """Examples ``[lo, hi)`` of an encoded batch, still feature-major."""
+    by_feature = torch.split(values, lengths.sum(dim=1).tolist())
+    parts = [
+        f[int(ln[:lo].sum()) : int(ln[:hi].sum())]
+        for f, ln in zip(by_feature, lengths, strict=True)
+    ]
+    return dense[lo:hi].contiguous(), torch.cat(parts), lengths[:, lo:hi].contiguous()
 
 
 class ScoringModel:
@@ -31,12 +53,11 @@ class ScoringModel:
         self.model = torch.jit.load(str(model_dir / artifact), map_location=device)
         self.model.eval()
 
-    def decode(self, body: bytes | bytearray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return decode_request(body, self.dense_count, self.sparse_count)
+    def decode(self, body: bytes | bytearray) -> Tensors:
+        """RSB1 bytes -> ``(dense f32[B,D], values i64[N], lengths i32[F,B])``."""
+        return to_tensors(*decode_request(body, self.dense_count, self.sparse_count))
 
-    def forward(
-        self, requests: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    ) -> list[torch.Tensor]:
+    def forward(self, requests: list[Tensors]) -> list[torch.Tensor]:
         """Concatenate requests (B_i examples each) into one batch, score, split back."""
         sizes = [d.shape[0] for d, _, _ in requests]
         dense = torch.cat([d for d, _, _ in requests])

@@ -21,12 +21,14 @@ class InvalidRequest(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
+    """What one request may carry; more is INVALID_ARGUMENT, naming the limit."""
+
     max_examples: int = 1000
-    """Examples per request."""
+    """Most examples in one request."""
     max_ids_per_feature: int = 64
-    """Ids of one feature in one example."""
+    """Most ids of one sparse feature in one example."""
     max_request_bytes: int = 4 << 20
-    """Serialized request size."""
+    """Largest serialized request, in bytes (the gRPC message limit is twice this)."""
 
 
 @dataclass(frozen=True)

@@ -238,19 +238,14 @@ def test_every_flag_is_in_the_programs_help() -> None:
 
 @functools.cache
 def port_defaults() -> dict[str, int]:
-    """Port variable -> default, read from the code that reads it."""
-    from serving.torchserve import PORT_ENV, TorchServeConfig
+    """Port variable -> default, read from the configs that declare them."""
+    from recsys_stack.config import iter_keys
+    from serving.config import GatewayConfig
+    from serving.torchserve.config import TorchServeConfig
 
-    saved = {v: os.environ.pop(v) for v in PORT_ENV.values() if v in os.environ}
-    try:
-        cfg = TorchServeConfig()
-    finally:
-        os.environ.update(saved)
-    out = {var: getattr(cfg, field) for field, var in PORT_ENV.items()}
-    gateway = (ROOT / "serving/gateway.py").read_text()
-    m = re.search(r'environ\.get\("RECSYS_GATEWAY_PORT", "(\d+)"\)', gateway)
-    assert m, "serving/gateway.py no longer reads RECSYS_GATEWAY_PORT"
-    out["RECSYS_GATEWAY_PORT"] = int(m.group(1))
+    keys = [*iter_keys(TorchServeConfig), *iter_keys(GatewayConfig)]
+    out = {k.env: k.default for k in keys if k.env and k.path.endswith("port")}
+    assert "RECSYS_GATEWAY_PORT" in out and "RECSYS_TS_GRPC_INFERENCE_PORT" in out
     return out
 
 
@@ -277,7 +272,7 @@ def test_published_and_exposed_ports_are_the_defaults() -> None:
 
 def test_environment_names_are_read_by_the_code_and_hold_no_secret() -> None:
     code = "".join(
-        p.read_text() for d in ("serving", "loadtest", "docker") for p in (ROOT / d).glob("*.py")
+        p.read_text() for d in ("serving", "loadtest", "docker") for p in (ROOT / d).rglob("*.py")
     )
     for name, svc in services().items():
         for var, value in (svc.get("environment") or {}).items():

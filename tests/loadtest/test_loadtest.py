@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from loadtest import report
-from loadtest.run import seconds
-from serving.torchserve import free_ports
+from loadtest.config import seconds
 from tests.conftest import ROOT, _env
+from tests.stack import Stack
 
 STATS_HEADER = (
     "Type,Name,Request Count,Failure Count,Median Response Time,Average Response Time,"
@@ -77,27 +76,9 @@ def test_summary_slo_knee_and_plot(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def gateway(
-    exported: tuple[Path, Path, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    """`python -m serving.stack start` on free ports (as a user runs it); stopped afterwards."""
-    export, store, _ = exported
-    ports = free_ports(6)
-    names = ["INFERENCE", "MANAGEMENT", "METRICS", "GRPC_INFERENCE", "GRPC_MANAGEMENT"]
-    env = _env({f"RECSYS_TS_{n}_PORT": str(p) for n, p in zip(names, ports[:5], strict=True)})
-    env["RECSYS_GATEWAY_PORT"] = str(ports[5])
-    stack = [sys.executable, "-m", "serving.stack"]
-    workdir = ["--workdir", str(tmp_path_factory.mktemp("serve"))]
-    try:
-        started = subprocess.run(
-            [*stack, "start", *workdir, "--schema", str(export / "schema.json"),
-             "--model-store", str(store)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert started.returncode == 0, started.stderr[-2000:]
-        yield f"127.0.0.1:{ports[5]}"
-    finally:
-        subprocess.run([*stack, "stop", *workdir], cwd=ROOT, env=env, timeout=120)
+def gateway(stack: Stack) -> str:
+    """The shared TorchServe + gateway on free ports (tests/stack.py): what Locust calls."""
+    return stack.target
 
 
 @pytest.fixture(scope="module")

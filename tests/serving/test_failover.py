@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -14,33 +11,20 @@ import grpc
 import numpy as np
 import pytest
 
-from serving import torchserve as ts
 from serving.client import build_request
-from serving.protos import ensure_generated
-from tests.conftest import ROOT, _env
-from tests.serving.test_gateway import _wait_status
-from tests.serving.test_torchserve import _ours
-
-ensure_generated()
-from serving._gen.recsys.v1 import ranker_pb2_grpc  # noqa: E402
+from serving.stubs import ranker_pb2_grpc
+from serving.torchserve import process
+from tests.stack import (
+    ours,
+    start_gateway,
+    start_torchserve,
+    stop_gateway,
+    torchserve_config,
+    wait_status,
+)
 
 pytestmark = pytest.mark.slow
 DEADLINE_S = 1.0
-
-
-def _replica(store: Path, workdir: Path) -> ts.TorchServeConfig:
-    p = ts.free_ports(5)
-    return ts.TorchServeConfig(
-        inference_port=p[0], management_port=p[1], metrics_port=p[2], grpc_inference_port=p[3],
-        grpc_management_port=p[4], model_store=store, mar_file="dlrm-tiny-1.0.mar",
-        model_name="dlrm-tiny", model_version="1.0", workdir=workdir,
-    )  # fmt: skip
-
-
-def _start(cfg: ts.TorchServeConfig) -> subprocess.Popen[bytes]:
-    proc = ts.start(cfg)
-    ts.wait_ready(cfg, timeout=240, proc=proc)
-    return proc
 
 
 class Load:
@@ -72,17 +56,11 @@ def test_stopping_a_replica_fails_nothing_after_one_deadline(
     exported: tuple[Path, Path, str], tmp_path: Path
 ) -> None:
     export, store, _ = exported
-    a, b = _replica(store, tmp_path / "a"), _replica(store, tmp_path / "b")
-    procs = {"a": _start(a), "b": _start(b)}
-    port = ts.free_ports(1)[0]
-    target = f"127.0.0.1:{port}"
-    with (tmp_path / "gateway.log").open("wb") as log:
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "serving.gateway", "--schema", str(export / "schema.json"),
-             "--port", str(port), "--backend", f"{a.grpc_inference_target},{b.grpc_inference_target}",
-             "--key-file", f"{a.key_file},{b.key_file}", "--deadline", str(DEADLINE_S)],
-            cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    a, b = torchserve_config(store, tmp_path / "a"), torchserve_config(store, tmp_path / "b")
+    procs = {"a": start_torchserve(a), "b": start_torchserve(b)}
+    gateway, target = start_gateway(
+        export / "schema.json", [a, b], tmp_path / "gateway.log", deadline_s=DEADLINE_S
+    )
 
     s = np.load(export / "sample.npz")
     dense = s["dense"][:8]
@@ -90,16 +68,16 @@ def test_stopping_a_replica_fails_nothing_after_one_deadline(
     with grpc.insecure_channel(target) as channel:
         load = Load(ranker_pb2_grpc.RankerStub(channel), build_request(dense, sparse))
         try:
-            _wait_status(target, "SERVING", 60)
+            wait_status(target, "SERVING", 60)
             time.sleep(1.5)  # both replicas probed healthy
             for t in load.threads:
                 t.start()
             time.sleep(3)
             t_stop = time.monotonic()
-            ts.stop(procs["a"], timeout=10)
+            process.stop(procs["a"], timeout=10)
             time.sleep(4)
             t_restart = time.monotonic()
-            procs["a"] = _start(a)
+            procs["a"] = start_torchserve(a)
             # Back in rotation after a probe (every 1 s) once the channel reconnects (the gateway
             # caps gRPC's reconnect backoff at 1 s); allow a loaded CI machine some slack.
             t_back = time.monotonic()
@@ -114,10 +92,9 @@ def test_stopping_a_replica_fails_nothing_after_one_deadline(
             for t in load.threads:
                 if t.is_alive():
                     t.join()
-            gateway.send_signal(signal.SIGTERM)
-            gateway.wait(timeout=30)
+            stop_gateway(gateway)
             for p in procs.values():
-                ts.stop(p)
+                process.stop(p)
     outcomes, by_backend = load.window(t_stop - 3, t_stop)
     assert set(outcomes) == {"OK"} and set(by_backend) == {
         a.grpc_inference_target,
@@ -131,4 +108,4 @@ def test_stopping_a_replica_fails_nothing_after_one_deadline(
     outcomes, by_backend = load.window(t_end - 2, t_end)
     assert set(outcomes) == {"OK"}, outcomes
     assert by_backend[a.grpc_inference_target] > 0 and by_backend[b.grpc_inference_target] > 0
-    assert not _ours(tmp_path)
+    assert not ours(tmp_path)

@@ -1,101 +1,23 @@
-"""The real gateway in front of a real TorchServe, on free ports, with the tiny exported model."""
+"""The real gateway in front of a real TorchServe, on free ports, with the tiny exported model
+(the shared ``stack`` fixture, tests/stack.py)."""
 
 from __future__ import annotations
 
 import random
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
-from serving import torchserve as ts
 from serving.client import build_request
-from serving.codec import to_rows
-from serving.protos import ensure_generated
-from serving.stack import gateway_status
-from serving.torchserve import free_ports
-from tests.conftest import ROOT, _env
-from tests.serving.test_torchserve import _ours
-
-ensure_generated()
-from serving._gen.recsys.v1 import ranker_pb2, ranker_pb2_grpc  # noqa: E402
+from serving.stubs import ranker_pb2
+from serving.torchserve import process
+from serving.torchserve.keys import inference_key
+from tests.stack import Stack, start_torchserve, wait_status
 
 pytestmark = pytest.mark.slow
-DEADLINE_S = 2.0
-
-
-@dataclass
-class Stack:
-    cfg: ts.TorchServeConfig
-    torchserve: subprocess.Popen[bytes]
-    gateway: subprocess.Popen[bytes]
-    target: str
-    stub: ranker_pb2_grpc.RankerStub
-    rows: dict[str, np.ndarray]
-
-
-def _wait_status(target: str, want: str, timeout: float) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if gateway_status(target) == want:
-            return time.monotonic() - t0
-        time.sleep(0.2)
-    raise AssertionError(f"gateway never became {want} (now {gateway_status(target)})")
-
-
-def _start_torchserve(cfg: ts.TorchServeConfig) -> subprocess.Popen[bytes]:
-    proc = ts.start(cfg)
-    ts.wait_ready(cfg, timeout=240, proc=proc)
-    return proc
-
-
-@pytest.fixture(scope="module")
-def stack(
-    exported: tuple[Path, Path, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
-    export, store, _ = exported
-    ports = free_ports(6)
-    workdir = tmp_path_factory.mktemp("gw")
-    cfg = ts.TorchServeConfig(
-        inference_port=ports[0], management_port=ports[1], metrics_port=ports[2],
-        grpc_inference_port=ports[3], grpc_management_port=ports[4], model_store=store,
-        mar_file="dlrm-tiny-1.0.mar", model_name="dlrm-tiny", model_version="1.0", workdir=workdir,
-    )  # fmt: skip
-    torchserve = _start_torchserve(cfg)
-    target = f"127.0.0.1:{ports[5]}"
-    log = open(workdir / "gateway.log", "ab")  # noqa: SIM115
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "serving.gateway", "--schema", str(export / "schema.json"),
-         "--port", str(ports[5]), "--backend", cfg.grpc_inference_target,
-         "--key-file", str(cfg.key_file), "--deadline", str(DEADLINE_S), "--max-examples", "1000"],
-        cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    log.close()
-    channel = grpc.insecure_channel(target)
-    s = np.load(export / "sample.npz")
-    rows = {k: s[k] for k in s.files}
-    # sample.npz holds encoded inputs; rebuild the row-major arrays a client starts from.
-    rows["sparse"] = to_rows(rows["values"], rows["lengths"])
-    st = Stack(cfg, torchserve, gateway, target, ranker_pb2_grpc.RankerStub(channel), rows)
-    try:
-        _wait_status(target, "SERVING", 120)
-        yield st
-    finally:
-        channel.close()
-        gateway.send_signal(signal.SIGTERM)
-        try:
-            assert gateway.wait(timeout=30) == 0  # graceful shutdown exits cleanly
-        finally:
-            ts.stop(st.torchserve)  # the outage test replaces the instance it started with
-    assert not _ours(workdir), "a TorchServe process outlived the test"
 
 
 def _request(st: Stack, lo: int, hi: int) -> ranker_pb2.ScoreRequest:
@@ -128,7 +50,7 @@ def test_torchserve_rest_with_json_bodies_scores_the_same(stack: Stack) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", stack.cfg.inference_port, timeout=30)
     headers = {
         "Content-Type": "application/json",
-        "Authorization": f"Bearer {ts.inference_key(stack.cfg)}",
+        "Authorization": f"Bearer {inference_key(stack.cfg.key_file)}",
     }
     conn.request("POST", "/predictions/dlrm-tiny/1.0", body=json.dumps(body), headers=headers)
     resp = conn.getresponse()
@@ -238,7 +160,7 @@ def test_fuzz_never_internal_and_servers_survive(stack: Stack) -> None:
     assert set(codes) <= {"OK", "INVALID_ARGUMENT", "NOT_FOUND"}, codes
     assert codes.get("OK", 0) > 50 and codes.get("INVALID_ARGUMENT", 0) > 400, codes
     assert stack.gateway.poll() is None and stack.torchserve.poll() is None
-    assert ts.ready_workers(stack.cfg) >= 1  # no worker lost
+    assert process.ready_workers(stack.cfg) >= 1  # no worker lost
     test_scores_equal_in_process_torchscript(stack, 0, 500)
 
 
@@ -273,25 +195,25 @@ def test_outages_are_unavailable_then_recover(stack: Stack) -> None:
     # 1. Kill the Python worker: TorchServe restarts it; calls meanwhile fail UNAVAILABLE, fast.
     workers = [
         p
-        for p in ts.group_members(stack.torchserve.pid)
+        for p in process.group_members(stack.torchserve.pid)
         if "model_service_worker" in " ".join(p.cmdline())
     ]
     assert workers, "no TorchServe worker found"
     for w in workers:
         w.kill()
     _assert_fails_unavailable_or_recovers(stack, request)
-    _wait_status(stack.target, "SERVING", 120)
+    wait_status(stack.target, "SERVING", 120)
     # 2. Kill TorchServe itself: UNAVAILABLE within the deadline, health NOT_SERVING.
-    ts.stop(stack.torchserve, timeout=10)
+    process.stop(stack.torchserve, timeout=10)
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
         stack.stub.Score(request, timeout=10)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
-    assert time.monotonic() - t0 < DEADLINE_S + 1.0  # no hang past the gateway's deadline
-    _wait_status(stack.target, "NOT_SERVING", 10)
+    assert time.monotonic() - t0 < stack.deadline_s + 1.0  # no hang past the gateway's deadline
+    wait_status(stack.target, "NOT_SERVING", 10)
     # 3. Bring TorchServe back (new keys): health returns to SERVING and scores are right again.
-    stack.torchserve = _start_torchserve(stack.cfg)
-    _wait_status(stack.target, "SERVING", 60)
+    stack.torchserve = start_torchserve(stack.cfg)
+    wait_status(stack.target, "SERVING", 60)
     test_scores_equal_in_process_torchscript(stack, 0, 500)
 
 
@@ -306,6 +228,6 @@ def _assert_fails_unavailable_or_recovers(stack: Stack, request: ranker_pb2.Scor
         except grpc.RpcError as e:
             seen.add(e.code().name)
             assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
-        assert time.monotonic() - t0 < DEADLINE_S + 1.0
+        assert time.monotonic() - t0 < stack.deadline_s + 1.0
         time.sleep(0.1)
     assert seen <= {"OK", "UNAVAILABLE"}, seen

@@ -13,14 +13,14 @@ import torch
 
 from serving.codec import (
     CodecError,
+    decode_json,
     decode_request,
     decode_response,
     encode_request,
     encode_response,
-    slice_examples,
 )
 from serving.handler import choose_device, cpu_threads
-from serving.scoring import ScoringModel
+from serving.scoring import ScoringModel, slice_examples, to_tensors
 
 
 def _sample(export: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
@@ -33,10 +33,33 @@ def test_codec_round_trip() -> None:
     dense = torch.rand(3, 13)
     lengths = torch.tensor([[1, 0, 2]] * 26, dtype=torch.int32)
     values = torch.arange(78, dtype=torch.int64) * 7919
-    d, v, ln = decode_request(encode_request(dense, values, lengths), 13, 26)
+    body = encode_request(dense, values, lengths)  # torch in, numpy inside: the same bytes
+    assert body == encode_request(dense.numpy(), values.numpy(), lengths.numpy())
+    d, v, ln = to_tensors(*decode_request(body, 13, 26))
     assert torch.equal(d, dense) and torch.equal(v, values) and torch.equal(ln, lengths)
     p = torch.rand(3)
-    assert torch.equal(decode_response(encode_response(p)), p)
+    assert np.array_equal(decode_response(encode_response(p)), p.numpy())
+
+
+def test_rsb1_bytes_are_pinned() -> None:
+    # The format is a contract between gateway and handler (docs/contracts.md): byte for byte.
+    body = encode_request(np.array([[1.5, -2.0]]), np.array([7, 2**40]), np.array([[1], [1]]))
+    assert body.hex() == (
+        "52534231" "01000000" "02000000" "02000000" "02000000"  # RSB1, B=1, D=2, F=2, N=2
+        "0000c03f" "000000c0"  # dense float32
+        "01000000" "01000000"  # lengths int32 [F, B]
+        "0700000000000000" "0000000000010000"  # ids int64
+    )  # fmt: skip
+
+
+def test_json_instances_decode_like_rsb1() -> None:
+    names = [f"C{i}" for i in range(1, 27)]
+    body = {"instances": [{"dense": [1.0] * 13, "sparse": {"C2": [5]}}, {"dense": [0.0] * 13}]}
+    dense, values, lengths = decode_json(body, [f"I{i}" for i in range(1, 14)], names)
+    assert dense.shape == (2, 13) and values.tolist() == [5]
+    assert lengths[1].tolist() == [1, 0] and lengths.sum() == 1
+    with pytest.raises(CodecError, match="unknown feature 'C99'"):
+        decode_json({"instances": [{"dense": [0] * 13, "sparse": {"C99": [1]}}]}, ["I"] * 13, names)
 
 
 @pytest.mark.parametrize(

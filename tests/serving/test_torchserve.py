@@ -1,12 +1,13 @@
 """A real TorchServe (Java frontend + Python worker) serving the tiny exported .mar over gRPC.
 
-One instance for the module, on free ports, batching on (8 requests, 5 ms), one worker.
+One instance for the module (the shared ``torchserve`` fixture), batching on (8 requests,
+5 ms), one worker.
 """
 
 from __future__ import annotations
 
 import json
-import time
+import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -15,48 +16,23 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import psutil
 import pytest
 import torch
 
-from serving import protos
+from recsys_stack.config import ConfigError, load
 from serving.codec import decode_response, encode_request
-from serving.protos import ensure_generated
-from serving.torchserve import (
-    PORT_ENV,
+from serving.scoring import slice_examples
+from serving.torchserve.client import (
     RequestRejected,
-    TorchServeConfig,
-    free_ports,
-    group_members,
-    inference_key,
-    read_keys,
-    score_grpc,
-    start,
-    stop,
-    wait_ready,
-    write_properties,
+    inference_stub,
+    predictions_request,
+    score,
 )
+from serving.torchserve.config import TorchServeConfig, resolve_model, write_properties
+from serving.torchserve.keys import KeyFileError, bearer, inference_key, read_keys
 
-ensure_generated()
-from serving._gen import inference_pb2, inference_pb2_grpc  # noqa: E402
-
-# Java startup + worker load is ~10 s on a laptop; a 2-core CI box under load needs more.
-STARTUP_TIMEOUT_S = 240
 CALL_TIMEOUT_S = 30
-
-
-def _ours(workdir: Path) -> list[psutil.Process]:
-    """Live processes whose command line names our workdir (java -f <workdir>/config.properties)."""
-    out = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and str(workdir) in " ".join(
-                p.info["cmdline"] or []
-            ):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
+Served = tuple[TorchServeConfig, subprocess.Popen[bytes]]
 
 
 class Sample:
@@ -68,28 +44,56 @@ class Sample:
         self.values = torch.from_numpy(s["values"])
         self.lengths = torch.from_numpy(s["lengths"])
         self.expected = s["probs_int8"]
-        self._by_feature = torch.split(self.values, self.lengths.sum(dim=1).tolist())
 
     def body(self, lo: int, hi: int) -> bytes:
         """RSB1 request for rows ``[lo, hi)``."""
-        vals = torch.cat(
-            [
-                f[ln[:lo].sum() : ln[:hi].sum()]
-                for f, ln in zip(self._by_feature, self.lengths, strict=True)
-            ]
-        )
-        return encode_request(
-            self.dense[lo:hi].contiguous(), vals, self.lengths[:, lo:hi].contiguous()
-        )
+        return encode_request(*slice_examples(self.dense, self.values, self.lengths, lo, hi))
 
 
-def test_ports_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(PORT_ENV["grpc_inference_port"], "17070")
-    cfg = TorchServeConfig()
+def test_ports_come_from_the_environment_at_load_time() -> None:
+    env = {"RECSYS_TS_GRPC_INFERENCE_PORT": "17070"}
+    cfg = load(TorchServeConfig, environ=env)
     assert (cfg.grpc_inference_port, cfg.inference_port) == (17070, 8080)
-    monkeypatch.setenv(PORT_ENV["inference_port"], "http")
-    with pytest.raises(ValueError, match="RECSYS_TS_INFERENCE_PORT='http' is not a port"):
-        TorchServeConfig()
+    assert TorchServeConfig().grpc_inference_port == 7070  # constructing reads no variable
+    with pytest.raises(ConfigError, match=r"RECSYS_TS_INFERENCE_PORT.*'http'.*expected int"):
+        load(TorchServeConfig, environ={"RECSYS_TS_INFERENCE_PORT": "http"})
+    with pytest.raises(ConfigError, match="not a port number"):
+        load(TorchServeConfig, overrides=["metrics_port=70000"], environ={})
+
+
+def test_the_model_comes_from_the_archive_or_the_newest_one(tmp_path: Path) -> None:
+    import zipfile
+
+    for name, version in (("old", "1"), ("new", "2")):
+        with zipfile.ZipFile(tmp_path / f"{name}-{version}.mar", "w") as z:
+            manifest = {"model": {"modelName": name, "modelVersion": version}}
+            z.writestr("MAR-INF/MANIFEST.json", json.dumps(manifest))
+    newest = resolve_model(TorchServeConfig(model_store=tmp_path))
+    assert (newest.mar_file, newest.model_name, newest.model_version) == ("new-2.mar", "new", "2")
+    named = resolve_model(
+        TorchServeConfig(model_store=tmp_path, model_name="old", model_version="1")
+    )
+    assert named.mar_file == "old-1.mar"
+    with pytest.raises(FileNotFoundError, match=r"no \.mar in"):
+        resolve_model(TorchServeConfig(model_store=tmp_path / "empty"))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[1, 2]", "expected .* got list"),
+        ('{"inference": "abc"}', "entry 'inference' has no string 'key'"),
+        ('{"management": {"key": "m"}}', "no 'inference' key"),
+        ("{not json", "cannot read TorchServe's key file"),
+    ],
+)
+def test_a_key_file_of_the_wrong_shape_is_named(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "key_file.json"
+    path.write_text(text)
+    with pytest.raises(KeyFileError, match=message):
+        inference_key(path)
+    with pytest.raises(KeyFileError, match="not found: is TorchServe running there"):
+        inference_key(tmp_path / "missing.json")
 
 
 def test_properties_keep_auth_on_and_register_the_model(tmp_path: Path) -> None:
@@ -112,60 +116,16 @@ def test_properties_keep_auth_on_and_register_the_model(tmp_path: Path) -> None:
         write_properties(TorchServeConfig(model_store=tmp_path, model_name="m", model_version="3"))
 
 
-def test_stub_generation_is_idempotent(tmp_path: Path) -> None:
-    local = tmp_path / "proto" / "demo" / "v1"
-    local.mkdir(parents=True)
-    (local / "echo.proto").write_text(
-        'syntax = "proto3";\npackage demo.v1;\nmessage Ping { string s = 1; }\n'
-        "service Echo { rpc Call(Ping) returns (Ping); }\n"
-    )
-    out = tmp_path / "gen"
-
-    def gen() -> bool:
-        return protos.generate(out, package="gen", local_dir=tmp_path / "proto")
-
-    assert gen() is True
-    assert gen() is False  # up to date
-    assert (out / "inference_pb2_grpc.py").is_file()
-    grpc_module = (out / "demo" / "v1" / "echo_pb2_grpc.py").read_text()
-    assert "from gen.demo.v1 import echo_pb2" in grpc_module  # package-qualified imports
-    (local / "echo.proto").write_text((local / "echo.proto").read_text() + "// changed\n")
-    assert gen() is True
-
-
 @pytest.fixture(scope="module")
 def served(
-    exported: tuple[Path, Path, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[TorchServeConfig, str, Sample]]:
-    export, store, _ = exported
-    ports = free_ports(5)
-    cfg = TorchServeConfig(
-        inference_port=ports[0],
-        management_port=ports[1],
-        metrics_port=ports[2],
-        grpc_inference_port=ports[3],
-        grpc_management_port=ports[4],
-        model_store=store,
-        mar_file="dlrm-tiny-1.0.mar",
-        model_name="dlrm-tiny",
-        model_version="1.0",
-        workers=1,
-        batch_size=8,
-        max_batch_delay_ms=5,
-        response_timeout_s=60,
-        workdir=tmp_path_factory.mktemp("ts"),
-    )
-    proc = start(cfg)
-    try:
-        secs = wait_ready(cfg, timeout=STARTUP_TIMEOUT_S, proc=proc)
-        print(f"torchserve ready in {secs:.1f} s")
-        yield cfg, inference_key(cfg), Sample(export)
-    finally:
-        t0 = time.monotonic()
-        stop(proc, timeout=30)
-        print(f"torchserve stopped in {time.monotonic() - t0:.1f} s")
-    assert not group_members(proc.pid)
-    assert not _ours(cfg.workdir.resolve()), "a java/worker process outlived stop()"
+    torchserve: Served, exported: tuple[Path, Path, str]
+) -> tuple[TorchServeConfig, str, Sample]:
+    cfg = torchserve[0]
+    return cfg, inference_key(cfg.key_file), Sample(exported[0])
+
+
+def _score(channel: grpc.Channel, cfg: TorchServeConfig, body: bytes, key: str) -> bytes:
+    return score(channel, (cfg.model_name, cfg.model_version), body, CALL_TIMEOUT_S, key)
 
 
 @pytest.fixture(scope="module")
@@ -182,9 +142,9 @@ def test_predictions_match_the_export(
     served: tuple[TorchServeConfig, str, Sample], channel: grpc.Channel, lo: int, hi: int
 ) -> None:
     cfg, key, sample = served
-    probs = decode_response(score_grpc(channel, cfg, sample.body(lo, hi), CALL_TIMEOUT_S, key))
+    probs = decode_response(_score(channel, cfg, sample.body(lo, hi), key))
     assert probs.shape == (hi - lo,)
-    np.testing.assert_allclose(probs.numpy(), sample.expected[lo:hi], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(probs, sample.expected[lo:hi], atol=1e-6, rtol=0)
 
 
 def _batches(cfg: TorchServeConfig) -> int:
@@ -209,13 +169,9 @@ def test_concurrent_requests_are_batched_and_split_back(
     before = _batches(cfg)
     # all 40 in flight together: TorchServe aggregates up to 8 per handle() call
     with ThreadPoolExecutor(max_workers=40) as pool:
-        replies = list(
-            pool.map(lambda body: score_grpc(channel, cfg, body, CALL_TIMEOUT_S, key), bodies)
-        )
+        replies = list(pool.map(lambda body: _score(channel, cfg, body, key), bodies))
     for (a, b), reply in zip(cuts, replies, strict=True):
-        np.testing.assert_allclose(
-            decode_response(reply).numpy(), sample.expected[a:b], atol=1e-6, rtol=0
-        )
+        np.testing.assert_allclose(decode_response(reply), sample.expected[a:b], atol=1e-6, rtol=0)
     batches = _batches(cfg) - before
     print(f"40 concurrent requests -> {batches} batches")
     assert 0 < batches < 40, "TorchServe did not aggregate any requests"
@@ -228,17 +184,16 @@ def test_malformed_body_fails_alone_and_the_worker_survives(
     cfg, key, sample = served
     truncated = sample.body(0, 4)[:-8]
     # TorchServe 0.12 gRPC drops the 400 the handler sets for this request: the call is OK and
-    # the prediction is the handler's message (REST answers 400). score_grpc raises on it.
-    stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
-    request = inference_pb2.PredictionsRequest(model_name=cfg.model_name, input={"data": truncated})
-    reply, call = stub.Predictions.with_call(
-        request, timeout=CALL_TIMEOUT_S, metadata=(("authorization", f"Bearer {key}"),)
+    # the prediction is the handler's message (REST answers 400). score() raises on it.
+    request = predictions_request(cfg.model_name, "", truncated)
+    reply, call = inference_stub(channel).Predictions.with_call(
+        request, timeout=CALL_TIMEOUT_S, metadata=bearer(key)
     )
     assert call.code() == grpc.StatusCode.OK
     reason = f"invalid request: body is {len(truncated)} bytes".encode()
     assert reply.prediction.startswith(reason), reply.prediction
     with pytest.raises(RequestRejected, match=r"its header \(B=4, N=\d+\) needs"):
-        score_grpc(channel, cfg, truncated, CALL_TIMEOUT_S, key)
+        _score(channel, cfg, truncated, key)
     rest = urllib.request.Request(
         f"http://{cfg.host}:{cfg.inference_port}/predictions/{cfg.model_name}",
         data=truncated,
@@ -248,8 +203,8 @@ def test_malformed_body_fails_alone_and_the_worker_survives(
         urllib.request.urlopen(rest, timeout=CALL_TIMEOUT_S)
     assert http_err.value.code == 400
     assert b"needs" in http_err.value.read()
-    probs = decode_response(score_grpc(channel, cfg, sample.body(0, 4), CALL_TIMEOUT_S, key))
-    np.testing.assert_allclose(probs.numpy(), sample.expected[0:4], atol=1e-6, rtol=0)
+    probs = decode_response(_score(channel, cfg, sample.body(0, 4), key))
+    np.testing.assert_allclose(probs, sample.expected[0:4], atol=1e-6, rtol=0)
 
 
 @pytest.mark.slow
@@ -258,13 +213,10 @@ def test_calls_without_the_inference_key_are_rejected(
     served: tuple[TorchServeConfig, str, Sample], channel: grpc.Channel, token: str
 ) -> None:
     cfg, _, sample = served
-    stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
-    request = inference_pb2.PredictionsRequest(
-        model_name=cfg.model_name, input={"data": sample.body(0, 1)}
-    )
-    key = read_keys(cfg)["management"] if token == "management" else token
-    metadata = (("authorization", f"Bearer {key}"),) if token else None
+    request = predictions_request(cfg.model_name, "", sample.body(0, 1))
+    key = read_keys(cfg.key_file)["management"] if token == "management" else token
+    metadata = bearer(key) if token else None
     with pytest.raises(grpc.RpcError) as err:
-        stub.Predictions(request, timeout=CALL_TIMEOUT_S, metadata=metadata)
+        inference_stub(channel).Predictions(request, timeout=CALL_TIMEOUT_S, metadata=metadata)
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value
     assert "Token Authorization failed" in (err.value.details() or "")

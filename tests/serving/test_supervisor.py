@@ -1,60 +1,49 @@
-"""``make serve`` / ``make score`` / ``make stop`` as a user runs them (free ports via env)."""
+"""``make serve`` / ``make status`` / ``make score`` / ``make stop`` as a user runs them: the
+supervisor and the client as subprocesses, ports from the environment."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 
+from recsys_stack.net import free_ports
 from serving.codec import to_rows
-from serving.torchserve import free_ports
 from tests.conftest import ROOT, _env
+from tests.stack import ours
 
 pytestmark = pytest.mark.slow
+PORT_VARS = ["INFERENCE", "MANAGEMENT", "METRICS", "GRPC_INFERENCE", "GRPC_MANAGEMENT"]
 
 
-def test_serve_score_stop(exported: tuple[Path, Path, str], tmp_path: Path) -> None:
+def test_serve_status_score_stop(exported: tuple[Path, Path, str], tmp_path: Path) -> None:
     export, store, _ = exported
     ports = free_ports(6)
-    names = ["INFERENCE", "MANAGEMENT", "METRICS", "GRPC_INFERENCE", "GRPC_MANAGEMENT"]
-    env = _env({f"RECSYS_TS_{n}_PORT": str(p) for n, p in zip(names, ports, strict=False)})
+    env = _env({f"RECSYS_TS_{n}_PORT": str(p) for n, p in zip(PORT_VARS, ports, strict=False)})
     env["RECSYS_GATEWAY_PORT"] = str(ports[5])
-    workdir = tmp_path / "serve"
-    stack = [sys.executable, "-m", "serving.stack"]
-    common = ["--workdir", str(workdir)]
+    env["RECSYS_SERVE_DIR"] = str(tmp_path / "serve")
+    env["RECSYS_TS_WORKDIR"] = str(tmp_path / "serve" / "ts")
+    supervisor = [sys.executable, "-m", "serving.supervisor"]
+    start = [*supervisor, "start", "--gateway.schema", str(export / "schema.json"),
+             "--torchserve.model-store", str(store)]  # fmt: skip
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [*args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
         )
 
-    started = run(
-        *stack,
-        "start",
-        *common,
-        "--schema",
-        str(export / "schema.json"),
-        "--model-store",
-        str(store),
-    )
+    started = run(*start)
     try:
         assert started.returncode == 0, started.stderr[-2000:]
         assert f"gateway 127.0.0.1:{ports[5]}" in started.stdout
-        again = run(
-            *stack,
-            "start",
-            *common,
-            "--schema",
-            str(export / "schema.json"),
-            "--model-store",
-            str(store),
-        )
+        again = run(*start)
         assert again.returncode == 2 and "already running" in again.stderr
+        status = run(*supervisor, "status")
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "1 READY workers" in status.stdout and "SERVING" in status.stdout
         # score 5 rows of a TSV built from the sample's first rows
         s = np.load(export / "sample.npz")
         tsv = tmp_path / "rows.tsv"
@@ -64,15 +53,11 @@ def test_serve_score_stop(exported: tuple[Path, Path, str], tmp_path: Path) -> N
         got = [float(line.split("\t")[1]) for line in scored.stdout.splitlines()]
         np.testing.assert_allclose(got, s["probs_int8"][:5], atol=1e-6)
     finally:
-        stopped = run(*stack, "stop", *common)
-    assert stopped.returncode == 0
-    leftovers = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if str(workdir) in " ".join(p.info["cmdline"] or [])
-    ]
-    assert not [p for p in leftovers if p.status() != psutil.STATUS_ZOMBIE]
-    assert os.path.isdir(workdir)
+        stopped = run(*supervisor, "stop")
+    assert stopped.returncode == 0 and "stopped gateway, torchserve" in stopped.stdout
+    assert not ours(tmp_path / "serve")
+    assert run(*supervisor, "status").returncode == 3  # not running
+    assert not (tmp_path / "serve" / "ts" / "key_file.json").exists()
 
 
 def _tsv_rows(s: np.lib.npyio.NpzFile, n: int) -> str:

@@ -1,0 +1,80 @@
+"""Configs of the gateway and the client: the one place naming their ports and variables.
+
+Both go through :mod:`recsys_stack.config` (defaults < ``--config FILE.toml`` < environment <
+flags and ``section.key=value``); ``--help`` is generated from the docstrings below. Variables
+are read when a config is loaded, never at import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from recsys_stack.config import env_field
+from serving.validate import Limits
+
+GATEWAY_PORT_ENV = "RECSYS_GATEWAY_PORT"
+GATEWAY_PORT = 50051
+
+
+@dataclass
+class GatewayConfig:
+    """The gRPC gateway in front of one or more TorchServe replicas."""
+
+    schema: Path = Path("runs/demo/export/schema.json")
+    """The exported model's schema.json (feature names and order, model name and version)."""
+    host: str = env_field("RECSYS_GATEWAY_HOST", "127.0.0.1")
+    """Bind address (0.0.0.0 to serve other hosts, as in a container)."""
+    port: int = env_field(GATEWAY_PORT_ENV, GATEWAY_PORT)
+    """Port of the ``recsys.v1.Ranker`` and ``grpc.health.v1`` services; 0 = any free port."""
+    backend: str = env_field("RECSYS_TS_GRPC", "127.0.0.1:7070")
+    """TorchServe gRPC inference address(es), ``host:port[,host:port...]``: round robin over
+    the healthy ones, failover on an outage."""
+    key_file: str = env_field("RECSYS_TS_KEY_FILE", "runs/serve/torchserve/key_file.json")
+    """TorchServe's key_file.json, one for all backends or one per backend, comma-separated;
+    the inference key goes in each call's metadata and is re-read when the file changes."""
+    deadline_s: float = 2.0
+    """Deadline of each call to TorchServe; a backend that misses it is out of rotation."""
+    health_interval_s: float = 1.0
+    """How often every backend is probed with a one-example request (health and rotation)."""
+    grace_s: float = 5.0
+    """On SIGTERM: how long in-flight calls may finish."""
+    limits: Limits = field(default_factory=Limits)
+    """What one request may carry (larger ones are INVALID_ARGUMENT)."""
+
+    def backends(self) -> list[str]:
+        return [t.strip() for t in self.backend.split(",") if t.strip()]
+
+    def key_files(self) -> list[Path]:
+        return [Path(p.strip()) for p in self.key_file.split(",") if p.strip()]
+
+    def __post_init__(self) -> None:
+        n_keys, n_backends = len(self.key_files()), len(self.backends())
+        if not n_backends:
+            raise ValueError("backend: no TorchServe address")
+        if n_keys not in (1, n_backends):
+            raise ValueError(
+                f"key_file: {n_keys} key files for {n_backends} backends: one, or one per backend"
+            )
+
+
+@dataclass
+class ClientConfig:
+    """Score Criteo TSV rows through the gateway."""
+
+    data: Path | None = None
+    """Criteo TSV to score (label column optional); required."""
+    rows: int = 10
+    """Rows to score, from the top of the file."""
+    batch: int = 100
+    """Examples per request."""
+    host: str = "127.0.0.1"
+    """The gateway's host."""
+    port: int = env_field(GATEWAY_PORT_ENV, GATEWAY_PORT)
+    """The gateway's port."""
+    timeout_s: float = 5.0
+    """Deadline of each call."""
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"

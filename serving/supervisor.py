@@ -1,0 +1,244 @@
+"""``make serve`` / ``make stop`` / ``make status``: TorchServe and the gateway in the background.
+
+``python -m serving.supervisor start`` (``recsys-serve start``) starts TorchServe with the
+archive of the schema's model version, waits until a worker is READY, then starts the gateway
+in front of it and returns once its health service says SERVING (or fails with the log tail,
+stopping what it started). ``stop`` ends both (the gateway first, gracefully); ``status``
+reports them. What ``start`` launched (pids, resolved configs) is recorded in
+``<workdir>/serve.json``, so ``stop`` and ``status`` need nothing but the workdir.
+
+The gateway's ``backend`` and ``key_file`` are set from the TorchServe started here; every other
+key of the ``[gateway]`` and ``[torchserve]`` sections applies as in their own commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recsys_stack.config import ConfigError, add_config_args, build, env_field, from_args, to_dict
+from serving.client import gateway_status
+from serving.config import GatewayConfig
+from serving.torchserve import process
+from serving.torchserve.config import TorchServeConfig, resolve_model
+from serving.validate import Schema
+
+STATE = "serve.json"
+WORKDIR = Path("runs/serve")
+GATEWAY_LOG = "gateway.log"
+
+
+@dataclass
+class ServeConfig:
+    """TorchServe plus the gateway, started and stopped together."""
+
+    workdir: Path = env_field("RECSYS_SERVE_DIR", WORKDIR)  # noqa: RUF009  env_field returns a field
+    """State of the running stack: serve.json (pids, resolved configs) and the gateway's log;
+    TorchServe's own state goes to torchserve.workdir."""
+    timeout_s: float = 240.0
+    """Longest wait for TorchServe's model, then for the gateway, to be ready."""
+    torchserve: TorchServeConfig = field(default_factory=TorchServeConfig)
+    """The TorchServe instance (model name/version default to the schema's)."""
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    """The gateway in front of it (backend and key_file are set from [torchserve])."""
+
+
+class AlreadyRunning(RuntimeError):
+    """``start`` found the processes of an earlier ``start`` alive."""
+
+
+def as_overrides(cfg: Any) -> list[str]:
+    """A config as ``section.key=value`` overrides that reproduce it on a command line."""
+
+    def flat(table: dict[str, Any], prefix: str) -> list[str]:
+        out = []
+        for key, value in table.items():
+            if isinstance(value, dict):
+                out += flat(value, f"{prefix}{key}.")
+            else:
+                text = str(value).lower() if isinstance(value, bool) else value
+                out.append(f"{prefix}{key}={text}")
+        return out
+
+    return flat(to_dict(cfg), "")
+
+
+def launch_gateway(cfg: GatewayConfig, log: Path) -> subprocess.Popen[bytes]:
+    """``python -m serving.gateway`` for ``cfg`` in its own session, output appended to ``log``."""
+    with open(log, "ab") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "serving.gateway", *as_overrides(cfg)],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+
+def local_target(cfg: GatewayConfig) -> str:
+    """Where this machine reaches the gateway (a wildcard bind address is reached locally)."""
+    host = "127.0.0.1" if cfg.host in ("", "0.0.0.0", "::") else cfg.host
+    return f"{host}:{cfg.port}"
+
+
+def wait_serving(target: str, proc: subprocess.Popen[bytes], timeout: float) -> float:
+    """Block until the gateway at ``target`` is SERVING; returns the seconds waited."""
+    t0 = time.monotonic()
+    while gateway_status(target) != "SERVING":
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited with code {proc.returncode}")
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"the gateway at {target} was not SERVING after {timeout:.0f}s")
+        time.sleep(0.3)
+    return time.monotonic() - t0
+
+
+# --- state ---------------------------------------------------------------------------------------
+
+
+def read_state(workdir: Path) -> dict[str, Any]:
+    try:
+        state: dict[str, Any] = json.loads((workdir / STATE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return state
+
+
+def _write_state(workdir: Path, **update: Any) -> None:
+    state = read_state(workdir) | update
+    (workdir / STATE).write_text(json.dumps(state, indent=2) + "\n")
+
+
+def _alive(pid: int | None) -> bool:
+    return pid is not None and bool(process.group_members(pid))
+
+
+def running(workdir: Path) -> dict[str, int]:
+    """``{"gateway": pid, "torchserve": pid}`` of the recorded processes still alive."""
+    state = read_state(workdir)
+    return {
+        k: state[f"{k}_pid"] for k in ("gateway", "torchserve") if _alive(state.get(f"{k}_pid"))
+    }
+
+
+# --- commands --------------------------------------------------------------------------------------
+
+
+def start(cfg: ServeConfig) -> str:
+    """Start TorchServe, then the gateway; returns a one-line summary. Stops both on failure."""
+    try:
+        schema = Schema.load(cfg.gateway.schema)
+    except (OSError, KeyError, ValueError) as e:
+        raise FileNotFoundError(f"{cfg.gateway.schema}: {e} (run `make export` first)") from None
+    if running(cfg.workdir):
+        raise AlreadyRunning(f"already running ({cfg.workdir}); `make stop` first")
+    named = dataclasses.replace(
+        cfg.torchserve,
+        model_name=cfg.torchserve.model_name or schema.model_name,
+        model_version=cfg.torchserve.model_version or schema.model_version,
+    )
+    ts = resolve_model(named)
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    (cfg.workdir / STATE).unlink(missing_ok=True)
+    try:
+        proc = process.start(ts)
+        _write_state(cfg.workdir, torchserve_pid=proc.pid, torchserve=to_dict(ts))
+        process.wait_ready(ts, cfg.timeout_s, proc)
+        gw = dataclasses.replace(
+            cfg.gateway,
+            schema=cfg.gateway.schema.resolve(),
+            backend=ts.grpc_inference_target,
+            key_file=str(ts.key_file.resolve()),
+        )
+        gateway = launch_gateway(gw, cfg.workdir / GATEWAY_LOG)
+        _write_state(cfg.workdir, gateway_pid=gateway.pid, gateway=to_dict(gw))
+        wait_serving(local_target(gw), gateway, cfg.timeout_s)
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        stop(cfg.workdir)
+        raise RuntimeError(f"{e}\n(logs: {cfg.workdir}, {ts.workdir})") from None
+    return (
+        f"serving {ts.model_name} v{ts.model_version}: gateway {local_target(gw)},"
+        f" TorchServe gRPC {ts.grpc_inference_target} (state {cfg.workdir})"
+    )
+
+
+def stop(workdir: Path, timeout: float = 30.0) -> list[str]:
+    """Stop the recorded gateway (SIGTERM: in-flight calls finish) and TorchServe's group."""
+    state = read_state(workdir)
+    alive = running(workdir)
+    if "gateway" in alive:
+        pid = alive["gateway"]
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+    if "torchserve" in alive:
+        process.stop(alive["torchserve"], timeout=timeout)
+    if "torchserve" in state:
+        build(TorchServeConfig, state["torchserve"]).key_file.unlink(missing_ok=True)
+    (workdir / STATE).unlink(missing_ok=True)
+    return sorted(alive)
+
+
+def status(workdir: Path) -> tuple[int, str]:
+    """``(exit code, report)``: 0 serving, 2 degraded, 3 not running."""
+    state, alive = read_state(workdir), running(workdir)
+    if not alive:
+        return 3, f"not running ({workdir})"
+    lines, ok = [], True
+    if "torchserve" in state:
+        ts = build(TorchServeConfig, state["torchserve"])
+        n = process.ready_workers(ts) if "torchserve" in alive else 0
+        ok &= n > 0
+        lines.append(f"torchserve {ts.model_name}/{ts.model_version}: {n} READY workers")
+    if "gateway" in state:
+        target = local_target(build(GatewayConfig, state["gateway"]))
+        health = gateway_status(target) if "gateway" in alive else "STOPPED"
+        ok &= health == "SERVING"
+        lines.append(f"gateway {target}: {health}")
+    return (0 if ok else 2), "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m serving.supervisor",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("command", choices=["start", "stop", "status"])
+    return add_config_args(p, ServeConfig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point (``recsys-serve start|stop|status``)."""
+    ns = parser().parse_args(argv)
+    try:
+        cfg = from_args(ServeConfig, ns)
+        if ns.command == "start":
+            print(start(cfg))
+            return 0
+        if ns.command == "stop":
+            stopped = stop(cfg.workdir, cfg.timeout_s)
+            print(f"stopped {', '.join(stopped)}" if stopped else f"not running ({cfg.workdir})")
+            return 0
+        code, report = status(cfg.workdir)
+        print(report)
+        return code
+    except (ConfigError, AlreadyRunning, FileNotFoundError) as e:  # nothing was started
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Calls to TorchServe's gRPC inference API: the one place a ``PredictionsRequest`` is built.
+
+The gateway's backends (async), its health probe, the tests and the benchmark (blocking) all
+send RSB1 bodies (``serving.codec``) through :func:`predictions_request` with :func:`bearer`
+metadata, and read the reply through :func:`prediction_bytes`. No torch, no psutil.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from serving.codec import REJECTION
+from serving.stubs import generated
+from serving.torchserve.keys import bearer, inference_key
+
+with generated():
+    from serving._gen import inference_pb2, inference_pb2_grpc
+
+
+class RequestRejected(ValueError):
+    """The handler refused the request (e.g. a malformed body); the message is its reason."""
+
+
+def predictions_request(
+    model_name: str, model_version: str, body: bytes
+) -> inference_pb2.PredictionsRequest:
+    """One ``Predictions`` request carrying ``body`` as the ``data`` input."""
+    return inference_pb2.PredictionsRequest(
+        model_name=model_name, model_version=model_version, input={"data": body}
+    )
+
+
+def inference_stub(channel: grpc.Channel | grpc.aio.Channel) -> Any:
+    """``InferenceAPIsServiceStub`` on ``channel`` (blocking or asyncio)."""
+    return inference_pb2_grpc.InferenceAPIsServiceStub(channel)
+
+
+def prediction_bytes(reply: inference_pb2.PredictionResponse) -> bytes:
+    """The reply's prediction; the handler's refusal raises :class:`RequestRejected`.
+
+    TorchServe 0.12's gRPC ``Predictions`` drops the per-request status the handler sets (REST
+    answers 400) and returns OK with the handler's message as the prediction.
+    """
+    prediction = bytes(reply.prediction)
+    if prediction.startswith(REJECTION):
+        raise RequestRejected(prediction.decode(errors="replace"))
+    return prediction
+
+
+def score(
+    channel: grpc.Channel,
+    model: tuple[str, str],
+    body: bytes,
+    timeout: float,
+    key: str,
+) -> bytes:
+    """One blocking ``Predictions`` call of ``model`` = ``(name, version)``; the raw reply.
+
+    Transport, auth (PERMISSION_DENIED) and server errors surface as ``grpc.RpcError``.
+    """
+    request = predictions_request(*model, body)
+    reply = inference_stub(channel).Predictions(request, timeout=timeout, metadata=bearer(key))
+    return prediction_bytes(reply)
+
+
+__all__ = [
+    "RequestRejected",
+    "bearer",
+    "inference_key",
+    "inference_pb2",
+    "inference_pb2_grpc",
+    "inference_stub",
+    "prediction_bytes",
+    "predictions_request",
+    "score",
+]

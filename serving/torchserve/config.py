@@ -1,0 +1,191 @@
+"""TorchServe's configuration: ports, model, batching, state folder -> ``config.properties``.
+
+Everything TorchServe writes goes to one work directory: ``config.properties``, the token
+``key_file.json`` (TorchServe writes it into its working directory), ``logs/``, its worker
+sockets (``tmp/``, so two instances on one machine never collide).
+
+TorchServe 0.12 defaults kept on purpose: token authorization ON (every call carries
+``authorization: Bearer <key>``), model API OFF (the model is registered at startup from
+``config.properties``, nobody can load another archive at runtime).
+
+Variables (``RECSYS_TS_*``, ``RECSYS_MODEL_*``) are read by :func:`recsys_stack.config.load`,
+not when an instance is created: ``TorchServeConfig(...)`` in code means exactly what it says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from recsys_stack.config import env_field
+
+LOG_FILE = "torchserve.log"
+WORKDIR = Path("runs/serve/torchserve")
+MODEL_STORE = Path("model_store")
+
+
+@dataclass
+class TorchServeConfig:
+    """One TorchServe instance serving one model version."""
+
+    inference_port: int = env_field("RECSYS_TS_INFERENCE_PORT", 8080)
+    """REST inference API."""
+    management_port: int = env_field("RECSYS_TS_MANAGEMENT_PORT", 8081)
+    """REST management API: describe, scale."""
+    metrics_port: int = env_field("RECSYS_TS_METRICS_PORT", 8082)
+    """Prometheus metrics, ``GET /metrics``."""
+    grpc_inference_port: int = env_field("RECSYS_TS_GRPC_INFERENCE_PORT", 7070)
+    """gRPC ``InferenceAPIsService``: what the gateway calls."""
+    grpc_management_port: int = env_field("RECSYS_TS_GRPC_MANAGEMENT_PORT", 7071)
+    """gRPC ``ManagementAPIsService``."""
+    host: str = env_field("RECSYS_TS_HOST", "127.0.0.1")
+    """Bind address of every API; the gateway is the public face, so TorchServe stays local
+    (containers bind 0.0.0.0)."""
+    workdir: Path = env_field("RECSYS_TS_WORKDIR", WORKDIR)  # noqa: RUF009  returns a field
+    """State folder: config.properties, key_file.json, logs, worker sockets."""
+    model_store: Path = env_field("RECSYS_MODEL_STORE", MODEL_STORE)  # noqa: RUF009  returns a field
+    """Folder holding the .mar files (TorchServe's ``--model-store``)."""
+    mar_file: str = env_field("RECSYS_MODEL_MAR", "")
+    """Archive in ``model_store`` to serve; empty = ``<model_name>-<model_version>.mar`` when
+    both are set, else the newest .mar in the store."""
+    model_name: str = ""
+    """Name the model is served under (gRPC ``model_name``, URL path); empty = the archive's."""
+    model_version: str = ""
+    """Version registered (and made the default) for ``model_name``; empty = the archive's."""
+    workers: int = env_field("RECSYS_TS_WORKERS", 1)
+    """Worker processes for the model (min = max: no autoscaling surprises)."""
+    batch_size: int = env_field("RECSYS_TS_BATCH_SIZE", 8)
+    """Most requests TorchServe aggregates into one ``handle`` call."""
+    max_batch_delay_ms: int = env_field("RECSYS_TS_MAX_BATCH_DELAY_MS", 5)
+    """How long TorchServe waits to fill a batch before sending what it has."""
+    response_timeout_s: int = 120
+    """A worker that takes longer on a batch is considered stuck and restarted."""
+    startup_timeout_s: int = 120
+    """Longest a worker may take to load the model."""
+    job_queue_size: int = 1000
+    """Requests queued per model before TorchServe answers 503 (its default is 100)."""
+    max_request_bytes: int = 16 * 1024 * 1024
+    """Largest request body (REST and gRPC); TorchServe's 6.5 MB default is ~25k examples."""
+    token_expiration_min: float = 60 * 24 * 365
+    """Lifetime of the keys in key_file.json; TorchServe's default (60 min) would lock out a
+    gateway that read the key once, so a long-lived instance gets a long-lived key."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            port = getattr(self, f.name)
+            if f.name.endswith("_port") and not 0 < port < 65536:
+                raise ValueError(f"{f.name} = {port} is not a port number (1-65535)")
+
+    @property
+    def mar(self) -> str:
+        return self.mar_file or f"{self.model_name}-{self.model_version}.mar"
+
+    @property
+    def key_file(self) -> Path:
+        return self.workdir / "key_file.json"
+
+    @property
+    def log_file(self) -> Path:
+        return self.workdir / LOG_FILE
+
+    @property
+    def grpc_inference_target(self) -> str:
+        return f"{self.host}:{self.grpc_inference_port}"
+
+
+def newest_mar(store: Path) -> str:
+    """The most recently written archive in ``store`` (its file name)."""
+    mars = sorted(store.glob("*.mar"), key=lambda p: p.stat().st_mtime)
+    if not mars:
+        raise FileNotFoundError(f"no .mar in {store}: run `make export` first")
+    return mars[-1].name
+
+
+def model_from_mar(mar: Path) -> tuple[str, str]:
+    """``(modelName, modelVersion)`` from the archive's manifest."""
+    try:
+        with zipfile.ZipFile(mar) as z:
+            model = json.loads(z.read("MAR-INF/MANIFEST.json"))["model"]
+        return str(model["modelName"]), str(model["modelVersion"])
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{mar} not found: run `make export` or set mar_file") from None
+    except (zipfile.BadZipFile, KeyError, ValueError) as e:
+        raise ValueError(f"{mar} is not a model archive: {e}") from None
+
+
+def resolve_model(cfg: TorchServeConfig) -> TorchServeConfig:
+    """``cfg`` with ``mar_file``, ``model_name`` and ``model_version`` all filled in.
+
+    An explicit archive names the model (from its manifest) unless name/version are set; a name
+    and version name the archive; with neither, the newest archive in the store is served.
+    """
+    if not cfg.mar_file and cfg.model_name and cfg.model_version:
+        return dataclasses.replace(cfg, mar_file=cfg.mar)
+    mar = cfg.mar_file or newest_mar(cfg.model_store)
+    name, version = model_from_mar(cfg.model_store / mar)
+    return dataclasses.replace(
+        cfg,
+        mar_file=mar,
+        model_name=cfg.model_name or name,
+        model_version=cfg.model_version or version,
+    )
+
+
+def properties(cfg: TorchServeConfig) -> dict[str, object]:
+    """TorchServe's ``config.properties`` for ``cfg`` (model fields resolved)."""
+    store = cfg.model_store.resolve()
+    model = {
+        cfg.model_name: {
+            cfg.model_version: {
+                "defaultVersion": True,
+                "marName": cfg.mar,
+                "minWorkers": cfg.workers,
+                "maxWorkers": cfg.workers,
+                "batchSize": cfg.batch_size,
+                "maxBatchDelay": cfg.max_batch_delay_ms,
+                "responseTimeout": cfg.response_timeout_s,
+                "startupTimeout": cfg.startup_timeout_s,
+            }
+        }
+    }
+    return {
+        "inference_address": f"http://{cfg.host}:{cfg.inference_port}",
+        "management_address": f"http://{cfg.host}:{cfg.management_port}",
+        "metrics_address": f"http://{cfg.host}:{cfg.metrics_port}",
+        "grpc_inference_address": cfg.host,
+        "grpc_management_address": cfg.host,
+        "grpc_inference_port": cfg.grpc_inference_port,
+        "grpc_management_port": cfg.grpc_management_port,
+        "model_store": store,
+        # both are needed: load_models picks the archive, models= carries its settings
+        "load_models": cfg.mar,
+        "models": json.dumps(model, separators=(",", ":")),
+        "default_workers_per_model": cfg.workers,
+        "default_response_timeout": cfg.response_timeout_s,
+        "default_startup_timeout": cfg.startup_timeout_s,
+        "job_queue_size": cfg.job_queue_size,
+        "max_request_size": cfg.max_request_bytes,
+        "max_response_size": cfg.max_request_bytes,
+        "disable_token_authorization": "false",
+        "token_expiration_min": cfg.token_expiration_min,
+        "enable_model_api": "false",
+        "install_py_dep_per_model": "false",  # the venv is the environment; no pip at load
+        "metrics_mode": "prometheus",
+        "enable_metrics_api": "true",
+        "enable_envvars_config": "false",  # no TS_* variable silently overrides this file
+    }
+
+
+def write_properties(cfg: TorchServeConfig) -> Path:
+    """Write ``<workdir>/config.properties`` for ``cfg``; returns its path."""
+    archive = cfg.model_store.resolve() / cfg.mar
+    if not archive.is_file():
+        raise FileNotFoundError(f"{archive} not found: run `make export` or set mar_file")
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    path = cfg.workdir / "config.properties"
+    body = "".join(f"{k}={v}\n" for k, v in properties(cfg).items())
+    path.write_text(f"# written by serving.torchserve; edits are overwritten on start\n{body}")
+    return path

@@ -1,0 +1,73 @@
+"""TorchServe's ``key_file.json``: the one reader of it.
+
+TorchServe 0.12 (token authorization on) writes, at every start, into its working directory::
+
+    {"management": {"key": "...", "expiration time": "..."},
+     "inference": {"key": "...", ...}, "API": {"key": "...", ...}}
+
+Inference calls (REST and gRPC) carry ``authorization: Bearer <inference key>``. Standard
+library only: the gateway and the container healthcheck use it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+KINDS = ("inference", "management", "API")
+
+
+class KeyFileError(RuntimeError):
+    """``key_file.json`` is missing, unreadable or not shaped as TorchServe writes it."""
+
+
+def read_keys(path: Path) -> dict[str, str]:
+    """``{"inference": ..., "management": ..., "API": ...}`` from TorchServe's key file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise KeyFileError(f"{path} not found: is TorchServe running there?") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise KeyFileError(f"cannot read TorchServe's key file {path}: {e}") from None
+    shape = '{"inference": {"key": "..."}, "management": {"key": "..."}, ...}'
+    if not isinstance(data, dict):
+        raise KeyFileError(f"{path}: expected {shape}, got {type(data).__name__}")
+    keys = {}
+    for kind, entry in data.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
+            raise KeyFileError(f"{path}: entry '{kind}' has no string 'key' (expected {shape})")
+        keys[kind] = entry["key"]
+    missing = [k for k in KINDS[:2] if k not in keys]
+    if missing:
+        raise KeyFileError(f"{path}: no '{missing[0]}' key (expected {shape})")
+    return keys
+
+
+def inference_key(path: Path) -> str:
+    """The key for ``authorization: Bearer <key>`` on inference calls (REST and gRPC)."""
+    return read_keys(path)["inference"]
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata carrying ``key``."""
+    return (("authorization", f"Bearer {key}"),)
+
+
+class KeySource:
+    """The inference key of one TorchServe, re-read when the file changes (new keys each start)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._mtime = -1
+        self._metadata: tuple[tuple[str, str], ...] = ()
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata with the current key; raises :class:`KeyFileError` if unreadable."""
+        try:
+            mtime = self.path.stat().st_mtime_ns
+        except OSError:
+            return self._metadata  # TorchServe restarting: keep the last key, calls will say why
+        if mtime != self._mtime:
+            self._metadata = bearer(inference_key(self.path))
+            self._mtime = mtime
+        return self._metadata

@@ -1,0 +1,210 @@
+"""TorchServe's process group: start, readiness, stop.
+
+``start`` launches ``torchserve --foreground`` in its own session (launcher, java, Python
+workers share one process group) and returns at once; ``wait_ready`` polls the management API
+until the model has a READY worker; ``stop`` ends the whole group (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil  # a TorchServe dependency
+
+from serving.torchserve.config import TorchServeConfig, write_properties
+from serving.torchserve.keys import read_keys
+
+logger = logging.getLogger(__name__)
+LOAD_FAILURES_FATAL = 3
+
+
+def torchserve_command(cfg: TorchServeConfig, properties: Path) -> list[str]:
+    exe = Path(sys.executable).parent / "torchserve"
+    return [
+        str(exe if exe.exists() else "torchserve"),
+        "--start", "--foreground", "--ncs",
+        "--model-store", str(cfg.model_store.resolve()),
+        "--ts-config", str(properties.resolve()),
+    ]  # fmt: skip
+
+
+def start(cfg: TorchServeConfig) -> subprocess.Popen[bytes]:
+    """Start TorchServe in its own process group, in ``cfg.workdir``; returns at once.
+
+    ``cfg`` names its model (see ``config.resolve_model``). Call ``wait_ready`` next. The group
+    (launcher, java, Python workers) is what ``stop`` ends.
+    """
+    if not (cfg.model_name and cfg.model_version):
+        raise ValueError("TorchServeConfig without a model name/version: resolve_model(cfg) first")
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        raise FileNotFoundError("java not found: TorchServe 0.12 needs Java 17 (or set JAVA_HOME)")
+    workdir = cfg.workdir.resolve()
+    properties = write_properties(cfg).resolve()
+    tmp = workdir / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    if len(str(tmp)) > 90:  # worker sockets live here; AF_UNIX paths stop at 107 bytes
+        raise ValueError(
+            f"workdir {workdir} is too deep for TorchServe's sockets: pick a shorter one"
+        )
+    cfg.key_file.unlink(missing_ok=True)  # a stale key would pass for the new one
+    env = dict(os.environ)
+    env.update(
+        TMPDIR=str(tmp),  # the launcher's pid file ($TMPDIR/.model_server.pid): one per instance
+        TEMP=str(tmp),  # java.io.tmpdir: worker sockets .ts.sock.<port>
+        LOG_LOCATION=str(workdir / "logs"),
+        METRICS_LOCATION=str(workdir / "logs"),
+        RECSYS_WORKERS=str(cfg.workers),  # the handler splits the cores among workers
+    )
+    with open(cfg.log_file.resolve(), "ab") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            torchserve_command(cfg, properties),
+            cwd=workdir,  # TorchServe writes key_file.json into its working directory
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    logger.info("torchserve started (pid %d), log %s", proc.pid, cfg.log_file)
+    return proc
+
+
+def log_tail(cfg: TorchServeConfig, lines: int = 40) -> str:
+    try:
+        text = cfg.log_file.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def describe(cfg: TorchServeConfig, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """The management API's description of ``cfg``'s model version (raises if unreachable)."""
+    url = f"http://{cfg.host}:{cfg.management_port}/models/{cfg.model_name}/{cfg.model_version}"
+    key = read_keys(cfg.key_file)["management"]
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        out: list[dict[str, Any]] = json.loads(resp.read())
+    return out
+
+
+def ready_workers(cfg: TorchServeConfig) -> int:
+    """Workers of the model in state READY (0 while loading or if TorchServe is unreachable)."""
+    try:
+        models = describe(cfg)
+    except (OSError, ValueError, KeyError, RuntimeError):  # not up yet, key file not written yet
+        return 0
+    return sum(w.get("status") == "READY" for m in models for w in m.get("workers", []))
+
+
+def _load_failures(cfg: TorchServeConfig) -> int:
+    try:
+        text = cfg.log_file.read_text(errors="replace")
+    except FileNotFoundError:
+        return 0
+    return text.count(f"Load model failed: {cfg.model_name},")
+
+
+def _last_worker_error(cfg: TorchServeConfig) -> str:
+    """The last ``SomeError: message`` a worker printed, to head the error message."""
+    errors = re.findall(r"MODEL_LOG - (\w+(?:Error|Exception): .*)", log_tail(cfg, 400))
+    return errors[-1] if errors else "no Python error in the log"
+
+
+def _not_ready_reason(
+    cfg: TorchServeConfig, proc: subprocess.Popen[bytes] | None, waited: float, timeout: float
+) -> str | None:
+    """Why waiting longer is pointless, or None."""
+    model = f"{cfg.model_name}/{cfg.model_version}"
+    failures = _load_failures(cfg)
+    if failures >= LOAD_FAILURES_FATAL:  # TorchServe would retry forever, backing off
+        return (
+            f"{model}: the worker failed to load the model {failures} times,"
+            f" last with {_last_worker_error(cfg)!r}"
+        )
+    if proc is not None and proc.poll() is not None:
+        return f"torchserve exited with {proc.returncode} before {model} was ready"
+    if waited > timeout:
+        return f"{model} has no READY worker after {timeout:.0f} s"
+    return None
+
+
+def wait_ready(
+    cfg: TorchServeConfig, timeout: float = 180.0, proc: subprocess.Popen[bytes] | None = None
+) -> float:
+    """Block until the model has a READY worker; returns the seconds waited.
+
+    Raises ``RuntimeError`` with the log tail if ``proc`` exits, the worker fails to load the
+    model ``LOAD_FAILURES_FATAL`` times, or ``timeout`` passes (Java startup plus the model
+    load take ~10-30 s on 2 cores).
+    """
+    t0 = time.monotonic()
+    while ready_workers(cfg) == 0:
+        reason = _not_ready_reason(cfg, proc, time.monotonic() - t0, timeout)
+        if reason:
+            raise RuntimeError(f"{reason}; {cfg.log_file} ends with:\n{log_tail(cfg)}")
+        time.sleep(0.25)
+    return time.monotonic() - t0
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    out = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return out
+
+
+def _signal_group(pgid: int, sig: signal.Signals, spare_leader: bool) -> None:
+    for p in group_members(pgid):
+        if spare_leader and p.pid == pgid:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, sig)
+
+
+def _wait_group_empty(proc: subprocess.Popen[bytes] | int, grace: float) -> bool:
+    pgid = proc if isinstance(proc, int) else proc.pid
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not isinstance(proc, int):
+            proc.poll()  # reap the launcher
+        if not group_members(pgid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def stop(proc: subprocess.Popen[bytes] | int, timeout: float = 30.0) -> None:
+    """Stop TorchServe's process group (launcher, java, workers): SIGTERM, then SIGKILL.
+
+    ``proc``: the ``Popen`` from ``start`` or the group id (the launcher's pid). Java and the
+    workers get SIGTERM first and the launcher exits once java has (it waits on it, and reaps
+    it: no zombie java where PID 1 does not reap); what outlives ``timeout`` is killed.
+    """
+    pgid = proc if isinstance(proc, int) else proc.pid
+    _signal_group(pgid, signal.SIGTERM, spare_leader=True)
+    if not _wait_group_empty(proc, timeout):
+        logger.warning("torchserve group %d outlived SIGTERM by %.0f s: killing it", pgid, timeout)
+        _signal_group(pgid, signal.SIGKILL, spare_leader=False)
+        _wait_group_empty(proc, 5.0)
+    if not isinstance(proc, int):
+        proc.wait(timeout=5)
+    left = group_members(pgid)
+    if left:
+        raise RuntimeError(f"torchserve processes survived SIGKILL: {[p.pid for p in left]}")

@@ -1,0 +1,182 @@
+"""TorchServe + the gateway on free ports, for tests: the one starter, and its fixtures.
+
+``torchserve`` (one TorchServe) and ``stack`` (TorchServe + gateway) are module-scoped fixtures
+on the tiny exported model; ``tests/serving/conftest.py`` and ``tests/loadtest/conftest.py``
+register them. Tests that need another shape (two replicas, another deadline) call
+:func:`torchserve_config`, :func:`start_torchserve` and :func:`start_gateway` directly. Both use
+the product's own launchers (``serving.torchserve.process``, ``serving.supervisor``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import psutil
+import pytest
+
+from recsys_stack.net import free_ports
+from serving.client import gateway_status
+from serving.codec import to_rows
+from serving.config import GatewayConfig
+from serving.stubs import ranker_pb2_grpc
+from serving.supervisor import launch_gateway
+from serving.torchserve import process
+from serving.torchserve.config import TorchServeConfig
+
+# Java startup + worker load is ~10 s on a laptop; a 2-core CI box under load needs more.
+STARTUP_TIMEOUT_S = 240
+MODEL = {"mar_file": "dlrm-tiny-1.0.mar", "model_name": "dlrm-tiny", "model_version": "1.0"}
+
+
+def torchserve_config(store: Path, workdir: Path, **overrides: Any) -> TorchServeConfig:
+    """The tiny model's TorchServe on five free ports, state in ``workdir``."""
+    p = free_ports(5)
+    ports = dict(
+        inference_port=p[0], management_port=p[1], metrics_port=p[2],
+        grpc_inference_port=p[3], grpc_management_port=p[4],
+    )  # fmt: skip
+    return TorchServeConfig(**ports, model_store=store, workdir=workdir, **MODEL, **overrides)
+
+
+def start_torchserve(cfg: TorchServeConfig) -> subprocess.Popen[bytes]:
+    """Start TorchServe for ``cfg`` and wait until its worker is READY."""
+    proc = process.start(cfg)
+    secs = process.wait_ready(cfg, timeout=STARTUP_TIMEOUT_S, proc=proc)
+    print(f"torchserve ready in {secs:.1f} s")
+    return proc
+
+
+def start_gateway(
+    schema: Path, replicas: Sequence[TorchServeConfig], log: Path, **overrides: Any
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m serving.gateway`` on a free port in front of ``replicas``; (process, target)."""
+    cfg = GatewayConfig(
+        schema=schema,
+        port=free_ports(1)[0],
+        backend=",".join(r.grpc_inference_target for r in replicas),
+        key_file=",".join(str(r.key_file) for r in replicas),
+        **overrides,
+    )
+    return launch_gateway(cfg, log), f"127.0.0.1:{cfg.port}"
+
+
+def stop_gateway(gateway: subprocess.Popen[bytes]) -> int:
+    """SIGTERM (graceful) and the exit code."""
+    gateway.send_signal(signal.SIGTERM)
+    return gateway.wait(timeout=30)
+
+
+def wait_status(target: str, want: str, timeout: float) -> float:
+    """Seconds until the gateway's health is ``want``; fails the test after ``timeout``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if gateway_status(target) == want:
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    raise AssertionError(f"gateway never became {want} (now {gateway_status(target)})")
+
+
+def ours(workdir: Path) -> list[psutil.Process]:
+    """Live processes whose command line names ``workdir`` (java -f <workdir>/config.properties)."""
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(workdir) in " ".join(
+                p.info["cmdline"] or []
+            ):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+@contextlib.contextmanager
+def running_torchserve(
+    store: Path, workdir: Path, **overrides: Any
+) -> Iterator[tuple[TorchServeConfig, subprocess.Popen[bytes]]]:
+    """TorchServe for the block; afterwards nothing of it may be left running."""
+    cfg = torchserve_config(store, workdir, **overrides)
+    proc = start_torchserve(cfg)
+    try:
+        yield cfg, proc
+    finally:
+        t0 = time.monotonic()
+        process.stop(proc, timeout=30)
+        print(f"torchserve stopped in {time.monotonic() - t0:.1f} s")
+    assert not process.group_members(proc.pid)
+    assert not ours(cfg.workdir.resolve()), "a java/worker process outlived stop()"
+
+
+@dataclass
+class Stack:
+    """A running TorchServe + gateway, and the tiny export's sample rows (row-major sparse)."""
+
+    cfg: TorchServeConfig
+    torchserve: subprocess.Popen[bytes]
+    gateway: subprocess.Popen[bytes]
+    target: str
+    stub: ranker_pb2_grpc.RankerStub
+    rows: dict[str, np.ndarray]
+    deadline_s: float
+
+
+@contextlib.contextmanager
+def running_stack(
+    export: Path, store: Path, workdir: Path, deadline_s: float = 2.0
+) -> Iterator[Stack]:
+    """TorchServe + gateway (SERVING) for the block; the gateway must exit cleanly after."""
+    cfg = torchserve_config(store, workdir)
+    torchserve = start_torchserve(cfg)
+    gateway, target = start_gateway(
+        export / "schema.json", [cfg], workdir / "gateway.log", deadline_s=deadline_s
+    )
+    s = np.load(export / "sample.npz")
+    rows = {k: s[k] for k in s.files}
+    # sample.npz holds encoded inputs; rebuild the row-major arrays a client starts from.
+    rows["sparse"] = to_rows(rows["values"], rows["lengths"])
+    channel = grpc.insecure_channel(target)
+    st = Stack(
+        cfg, torchserve, gateway, target, ranker_pb2_grpc.RankerStub(channel), rows, deadline_s
+    )
+    try:
+        wait_status(target, "SERVING", 120)
+        yield st
+    finally:
+        channel.close()
+        try:
+            assert stop_gateway(gateway) == 0  # graceful shutdown exits cleanly
+        finally:
+            process.stop(st.torchserve)  # the outage test replaces the instance it started with
+    assert not ours(workdir), "a TorchServe process outlived the test"
+
+
+@pytest.fixture(scope="module")
+def torchserve(
+    exported: tuple[Path, Path, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[TorchServeConfig, subprocess.Popen[bytes]]]:
+    """One TorchServe on free ports serving the tiny model: batching 8 requests / 5 ms."""
+    _, store, _ = exported
+    workdir = tmp_path_factory.mktemp("ts")
+    with running_torchserve(
+        store, workdir, batch_size=8, max_batch_delay_ms=5, response_timeout_s=60
+    ) as ts:
+        yield ts
+
+
+@pytest.fixture(scope="module")
+def stack(
+    exported: tuple[Path, Path, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """TorchServe + the gateway on free ports, SERVING the tiny model."""
+    export, store, _ = exported
+    with running_stack(export, store, tmp_path_factory.mktemp("gw")) as st:
+        yield st
