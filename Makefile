@@ -101,7 +101,7 @@ test: setup  ## the CI suite (CPU, real torchrun process groups)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: setup  ## ruff + mypy
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy training serving loadtest
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy training serving loadtest recsys_stack
 
 fmt: setup
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .

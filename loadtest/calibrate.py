@@ -21,11 +21,11 @@ from typing import Any
 
 import grpc
 
-from loadtest.config import ROOT, LoadConfig, default_data
+from loadtest.config import ROOT, SHORT_FLAGS, LoadConfig, default_data
 from loadtest.locust_runner import run_locust
 from recsys_stack import config as rc
 from recsys_stack.net import free_ports
-from serving._gen.recsys.v1 import ranker_pb2, ranker_pb2_grpc
+from serving.stubs import ranker_pb2, ranker_pb2_grpc
 
 
 class NoopRanker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
@@ -62,7 +62,11 @@ def ceiling_run(cfg: LoadConfig, out: Path) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        cfg = rc.parse(LoadConfig, argv, "python -m loadtest.calibrate", __doc__.split("\n\n")[0])
+        parser = rc.ArgumentParser(
+            prog="python -m loadtest.calibrate", description=__doc__.split("\n\n")[0]
+        )
+        ns = rc.add_config_args(parser, LoadConfig, short=SHORT_FLAGS).parse_args(argv)
+        cfg = rc.from_args(LoadConfig, ns)
         cfg.check()
         cfg.data = cfg.data or default_data()
     except rc.ConfigError as e:

@@ -13,6 +13,8 @@ from recsys_stack.config import ConfigError, env_field
 
 ROOT = Path(__file__).resolve().parents[1]
 GATEWAY_ENV = "RECSYS_GATEWAY"
+# Locust's own short options, kept for people who type them out of habit.
+SHORT_FLAGS = {"users": "-u", "spawn_rate": "-r", "duration": "-t"}
 
 
 @dataclass

@@ -11,10 +11,7 @@ import random
 from pathlib import Path
 
 from serving.client import build_request, parse_rows
-from serving.protos import ensure_generated
-
-ensure_generated()
-from serving._gen.recsys.v1 import ranker_pb2  # noqa: E402
+from serving.stubs import ranker_pb2
 
 
 def read_rows(path: Path, max_rows: int) -> list[str]:

@@ -34,7 +34,7 @@ from typing import Any
 
 from loadtest import report
 from loadtest.calibrate import ceiling_run
-from loadtest.config import ROOT, LoadConfig, default_data
+from loadtest.config import ROOT, SHORT_FLAGS, LoadConfig, default_data
 from loadtest.locust_runner import run_locust
 from recsys_stack import config as rc
 
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         epilog="Exit codes: 0 ok, 1 the gateway or Locust failed, 2 bad options, 3 an SLO broken.",
     )
-    return rc.add_config_args(p, LoadConfig)
+    return rc.add_config_args(p, LoadConfig, short=SHORT_FLAGS)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> LoadConfig:

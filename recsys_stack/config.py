@@ -236,10 +236,12 @@ def add_config_args(
     *,
     flags: bool = True,
     default_file: Path | None = None,
+    short: Mapping[str, str] | None = None,
 ) -> argparse.ArgumentParser:
     """Add ``--config``, a ``--flag`` per field of ``cls`` (``flags``) and ``section.key=value``.
 
-    Flags and overrides land, in command-line order, in one list that :func:`from_args` applies
+    ``short``: extra option strings by key (``{"users": "-u"}``), for tools whose users know
+    them. Flags and overrides land, in command-line order, in one list that :func:`from_args` applies
     after the file and the environment. Table-valued fields are set by override only.
     """
     parser.add_argument(
@@ -272,6 +274,7 @@ def add_config_args(
                 )  # fmt: skip
                 continue
             group.add_argument(
+                *([short[key.path]] if short and key.path in short else []),
                 flag_name(key.path), action=_Override, key=key.path,
                 metavar=_metavar(key.type), default=argparse.SUPPRESS, help=_help(key),
             )  # fmt: skip

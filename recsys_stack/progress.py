@@ -48,7 +48,7 @@ class _LogBar(tqdm):  # type: ignore[misc]
     def display(self, msg: str | None = None, pos: int | None = None) -> None:
         now = time.monotonic()
         final = self.total is not None and self.n >= self.total
-        if self.disable or (
+        if self.disable or (  # type: ignore[has-type]
             not final and msg is None and (self.n == 0 or now - self._last < self._interval)
         ):
             return
@@ -65,9 +65,9 @@ class _LogBar(tqdm):  # type: ignore[misc]
         self.fp.flush()
 
     def close(self) -> None:
-        if not self.disable and self.n != self._shown:
+        if not self.disable and self.n != self._shown:  # type: ignore[has-type]
             self.display(msg="")  # a last line with the final count
-        self.disable = True  # tqdm's own close would redraw
+        self.disable = True  # type: ignore[has-type]  # else tqdm's own close redraws
         super().close()
 
     def clear(self, *args: Any, **kwargs: Any) -> None:  # no carriage returns to clear

@@ -204,11 +204,6 @@ def generate(
     return True
 
 
-def ensure_generated() -> None:
-    """Transitional, for callers not yet on ``serving.stubs``: checks, never generates."""
-    import serving.stubs  # noqa: F401  raises StubsMissing naming the command
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m serving.protos",

@@ -42,7 +42,7 @@ GATEWAY_LOG = "gateway.log"
 class ServeConfig:
     """TorchServe plus the gateway, started and stopped together."""
 
-    workdir: Path = env_field("RECSYS_SERVE_DIR", WORKDIR)  # noqa: RUF009  env_field returns a field
+    workdir: Path = env_field("RECSYS_SERVE_DIR", WORKDIR)
     """State of the running stack: serve.json (pids, resolved configs) and the gateway's log;
     TorchServe's own state goes to torchserve.workdir."""
     timeout_s: float = 240.0

@@ -44,9 +44,9 @@ class TorchServeConfig:
     host: str = env_field("RECSYS_TS_HOST", "127.0.0.1")
     """Bind address of every API; the gateway is the public face, so TorchServe stays local
     (containers bind 0.0.0.0)."""
-    workdir: Path = env_field("RECSYS_TS_WORKDIR", WORKDIR)  # noqa: RUF009  returns a field
+    workdir: Path = env_field("RECSYS_TS_WORKDIR", WORKDIR)
     """State folder: config.properties, key_file.json, logs, worker sockets."""
-    model_store: Path = env_field("RECSYS_MODEL_STORE", MODEL_STORE)  # noqa: RUF009  returns a field
+    model_store: Path = env_field("RECSYS_MODEL_STORE", MODEL_STORE)
     """Folder holding the .mar files (TorchServe's ``--model-store``)."""
     mar_file: str = env_field("RECSYS_MODEL_MAR", "")
     """Archive in ``model_store`` to serve; empty = ``<model_name>-<model_version>.mar`` when

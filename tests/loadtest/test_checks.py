@@ -11,7 +11,7 @@ from loadtest.checks import BadReply, check_reply
 from loadtest.config import LoadConfig
 from loadtest.run import parse_args
 from recsys_stack.config import ConfigError
-from serving._gen.recsys.v1 import ranker_pb2
+from serving.stubs import ranker_pb2
 
 
 def _reply(scores: list[float], name: str = "dlrm", version: str = "1") -> ranker_pb2.ScoreResponse:
