@@ -8,6 +8,7 @@ Shapes: ``B`` examples, ``F`` = 26 sparse features; ids are grouped feature-majo
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,11 @@ except ImportError:
     from serving.codec import decode_request
 
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# The views of a bytes body are read-only; the model never writes into its inputs, so torch's
+# warning about it (once per process, from to_tensors) says nothing here.
+warnings.filterwarnings(
+    "ignore", message="The given NumPy array is not writable", category=UserWarning, module=__name__
+)
 
 
 def to_tensors(dense: np.ndarray, values: np.ndarray, lengths: np.ndarray) -> Tensors:
