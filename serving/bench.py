@@ -17,7 +17,6 @@ few steps and exports it (subprocesses: serving never imports training).
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import shutil
@@ -28,12 +27,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 
+from recsys_stack.config import ConfigError, parse
 from recsys_stack.net import free_ports
 from serving.client import build_request
 from serving.codec import to_rows
@@ -130,25 +131,28 @@ def summarize(lat: list[float], examples: int) -> dict[str, float]:
     }
 
 
+@dataclass
+class BenchConfig:
+    export: Path | None = None
+    """An export dir whose .mar is in model_store/ (default: train and export a model to bench)."""
+    max_rows: int = 100_000
+    """Table row cap of the model built when no export is given."""
+    examples: int = 100
+    """Examples per request."""
+    requests: int = 400
+    """Requests per method and concurrency in each round."""
+    rounds: int = 2
+    """Rounds; the methods are interleaved within each."""
+    json: Path | None = None
+    """Also write the figures here."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m serving.bench", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument(
-        "--export",
-        type=Path,
-        help="an export dir whose .mar is in --model-store (default: build one)",
-    )
-    p.add_argument(
-        "--max-rows", type=int, default=100_000, help="table row cap when building (default 100000)"
-    )
-    p.add_argument("--examples", type=int, default=100, help="examples per request")
-    p.add_argument(
-        "--requests", type=int, default=400, help="requests per method and concurrency per round"
-    )
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--json", type=Path, help="also write the figures here")
-    ns = p.parse_args(argv)
+    try:
+        ns = parse(BenchConfig, argv, "python -m serving.bench", __doc__.split("\n\n")[0])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     work = Path(tempfile.mkdtemp(prefix="serving-bench-", dir="/tmp"))
     procs: list[Any] = []
     try:

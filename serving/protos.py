@@ -25,7 +25,6 @@ sources, the grpcio-tools version and the package (``.stamp``): rerunning is a n
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -37,7 +36,10 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+from recsys_stack.config import ConfigError, parse
 
 logger = logging.getLogger(__name__)
 
@@ -204,21 +206,31 @@ def generate(
     return True
 
 
+@dataclass
+class ProtosConfig:
+    out: Path = GEN_DIR
+    """Output folder of the generated modules."""
+    package: str = PACKAGE
+    """Dotted import name of the output folder."""
+    force: bool = False
+    """Regenerate even when the stubs are up to date."""
+    protos: Path = PROTO_DIR
+    """The .proto root (this project's API and TorchServe's vendored protos)."""
+    update_vendored: bool = False
+    """First copy TorchServe's protos from the installed jar into the .proto root."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m serving.protos",
-        description="Generate Python gRPC stubs from serving/proto/ into serving/_gen/.",
-    )
-    p.add_argument("--out", type=Path, default=GEN_DIR, help="output folder (default %(default)s)")
-    p.add_argument("--package", default=PACKAGE, help="dotted import name of --out")
-    p.add_argument("--force", action="store_true", help="regenerate even when up to date")
-    p.add_argument("--protos", type=Path, default=PROTO_DIR, help="the .proto root")
-    p.add_argument(
-        "--update-vendored",
-        action="store_true",
-        help="first copy TorchServe's protos from the installed jar into --protos",
-    )
-    ns = p.parse_args(argv)
+    try:
+        ns = parse(
+            ProtosConfig,
+            argv,
+            "python -m serving.protos",
+            "Generate Python gRPC stubs from serving/proto/ into serving/_gen/.",
+        )
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if ns.update_vendored:

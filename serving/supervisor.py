@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recsys_stack.config import ConfigError, add_config_args, build, env_field, from_args, to_dict
+from recsys_stack.config import (
+    ArgumentParser,
+    ConfigError,
+    add_config_args,
+    build,
+    env_field,
+    from_args,
+    to_dict,
+)
 from serving.client import gateway_status
 from serving.config import GatewayConfig
 from serving.torchserve import process
@@ -209,7 +217,7 @@ def status(workdir: Path) -> tuple[int, str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m serving.supervisor",
         description=__doc__.split("\n\n")[0],
     )

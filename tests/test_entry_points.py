@@ -1,0 +1,86 @@
+"""Every console script of pyproject.toml: --help documents its options, --config and
+``section.key=value`` are accepted, and a misspelled key or flag is one line with a suggestion.
+
+The entry functions run in this process (``main(argv)``); each stage's own tests run the real
+programs as subprocesses.
+"""
+
+from __future__ import annotations
+
+import importlib
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+# Arguments an entry point needs before its config (the supervisor's command).
+LEADING = {"recsys-serve": ["status"]}
+
+
+def _entry(script: str) -> Callable[..., Any]:
+    module, _, func = SCRIPTS[script].partition(":")
+    fn: Callable[..., Any] = getattr(importlib.import_module(module), func)
+    return fn
+
+
+def _run(script: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = _entry(script)([*LEADING.get(script, []), *argv])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return int(code or 0), out, err
+
+
+def test_the_scripts_cover_every_stage() -> None:
+    assert {
+        "recsys-train", "recsys-export", "recsys-serve", "recsys-gateway", "recsys-score",
+        "recsys-loadtest", "recsys-calibrate", "recsys-protos",
+    } <= set(SCRIPTS)  # fmt: skip
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_help_documents_every_option_and_takes_a_config_file(
+    script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        _entry(script)(["--help"])
+    except SystemExit as e:
+        assert e.code == 0
+    text = capsys.readouterr().out
+    assert "--config FILE.toml" in text and "section.key=value" in text, text[:500]
+    assert "(undocumented)" not in text, f"{script}: a field has no docstring"
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_a_misspelled_key_is_one_line_naming_it(
+    script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run(script, ["zz_not_a_key=1"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "unknown key 'zz_not_a_key'" in lines[0], err
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_a_misspelled_flag_gets_a_suggestion(
+    script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run(script, ["--confg", "x.toml"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "did you mean '--config'?" in lines[0], err
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_a_missing_config_file_is_named(
+    script: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    missing = tmp_path / "nope.toml"
+    code, _, err = _run(script, ["--config", str(missing)], capsys)
+    assert code == 2 and f"config file not found: {missing}" in err, err
