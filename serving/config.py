@@ -9,12 +9,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from recsys_stack.config import env_field
 from serving.validate import Limits
 
 GATEWAY_PORT_ENV = "RECSYS_GATEWAY_PORT"
 GATEWAY_PORT = 50051
+
+
+@dataclass
+class CoalesceConfig:
+    """How the gateway merges concurrent requests into TorchServe calls (serving/coalesce.py)."""
+
+    enabled: bool = True
+    """Merge requests that arrive while every backend slot is busy into one call."""
+    max_examples: int = 2048
+    """Most examples in one merged TorchServe call (a larger single request goes alone)."""
+    calls_per_backend: int = 2
+    """Backend calls in flight per TorchServe replica; more requests queue and are merged."""
+
+    def __post_init__(self) -> None:
+        if self.max_examples < 1 or self.calls_per_backend < 1:
+            raise ValueError("coalesce.max_examples and coalesce.calls_per_backend must be >= 1")
 
 
 @dataclass
@@ -41,6 +58,10 @@ class GatewayConfig:
     """On SIGTERM: how long in-flight calls may finish."""
     limits: Limits = field(default_factory=Limits)
     """What one request may carry (larger ones are INVALID_ARGUMENT)."""
+    coalesce: CoalesceConfig = field(default_factory=CoalesceConfig)
+    """Adaptive merging of concurrent requests into TorchServe calls."""
+    log_level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
+    """DEBUG also logs every TorchServe call with its request and example counts."""
 
     def backends(self) -> list[str]:
         return [t.strip() for t in self.backend.split(",") if t.strip()]

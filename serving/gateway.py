@@ -17,11 +17,13 @@ import sys
 from collections.abc import Sequence
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from recsys_stack.config import ConfigError, parse
 from serving.backends import BackendError, BackendPool
+from serving.coalesce import Arrays, Coalescer, Expired, ScoreCountError
 from serving.codec import CodecError, decode_response, encode_request
 from serving.config import GatewayConfig
 from serving.stubs import ranker_pb2, ranker_pb2_grpc
@@ -37,14 +39,23 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         self.cfg = cfg
         self.schema = schema
         self.pool = pool
+        c = cfg.coalesce
+        slots = c.calls_per_backend * len(pool.backends)
+        self.coalescer = Coalescer(self._send, slots, c.max_examples) if c.enabled else None
+
+    async def _send(self, arrays: Arrays, time_remaining: float | None) -> tuple[np.ndarray, str]:
+        """One TorchServe call for (possibly merged) validated arrays -> scores f32[B]."""
+        body = encode_request(*arrays)
+        prediction, backend = await self.pool.predict(
+            body, self.schema.model_version, time_remaining
+        )
+        return decode_response(prediction), backend
 
     async def Score(
         self, request: ranker_pb2.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> ranker_pb2.ScoreResponse:
         try:
-            dense, values, lengths = validate(
-                request, self.schema, self.cfg.limits, request.ByteSize()
-            )
+            arrays = validate(request, self.schema, self.cfg.limits, request.ByteSize())
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         version = request.model_version or self.schema.model_version
@@ -54,23 +65,27 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
                 f"model_version '{version}' is not served here (this gateway serves "
                 f"{self.schema.model_name} v{self.schema.model_version})",
             )
-        body = encode_request(dense, values, lengths)
         try:
-            prediction, backend = await self.pool.predict(body, version, context.time_remaining())
+            if self.coalescer is not None:
+                scores, backend = await self.coalescer.score(arrays, context.time_remaining())
+            else:
+                scores, backend = await self._send(arrays, context.time_remaining())
         except BackendError as e:
             await context.abort(e.code, e.message)
-        await context.send_initial_metadata((("x-recsys-backend", backend),))
-        try:
-            scores = decode_response(prediction)
+        except Expired as e:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except CodecError as e:  # includes the handler refusing a request we validated: a bug
             await context.abort(
                 grpc.StatusCode.INTERNAL, f"TorchServe's reply does not decode: {e}"
             )
-        if scores.size != dense.shape[0]:
+        except ScoreCountError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"TorchServe returned {e}")
+        if scores.size != arrays[0].shape[0]:
             await context.abort(
                 grpc.StatusCode.INTERNAL,
-                f"TorchServe returned {scores.size} scores for {dense.shape[0]} examples",
+                f"TorchServe returned {scores.size} scores for {arrays[0].shape[0]} examples",
             )
+        await context.send_initial_metadata((("x-recsys-backend", backend),))
         return ranker_pb2.ScoreResponse(
             scores=scores.tolist(),
             model_name=self.schema.model_name,
@@ -154,11 +169,11 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point (``recsys-gateway``): check the schema and key files, then serve."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
         cfg = parse_args(argv)
+        logging.basicConfig(
+            level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         Schema.load(cfg.schema)
         for path in cfg.key_files():
             read_keys(path)

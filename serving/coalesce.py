@@ -1,0 +1,173 @@
+"""Adaptive request coalescing: concurrent ``Score`` calls become one TorchServe call.
+
+The cost of a TorchServe call is per call (Java frontend, worker socket, Python decode), not
+per example (see docs/architecture.md), so the gateway merges what arrives while it is busy:
+
+- A call starts at once when fewer than ``slots`` backend calls are in flight: a lone request
+  never waits (no timer).
+- Otherwise it queues; when a backend call finishes, everything queued (up to
+  ``max_examples`` examples) leaves as ONE call, in arrival order.
+- Each caller gets exactly its own scores, in order. A member whose deadline has passed before
+  its batch leaves gets DEADLINE_EXCEEDED alone; the merged call's deadline is the latest
+  member's (a member that gives up earlier is cancelled by gRPC, the others are not affected).
+- Validation happens before a request gets here: nothing invalid joins a batch.
+
+Shapes: ``B`` examples, ``F`` sparse features, ``N`` ids; ``values`` are grouped feature-major
+(all ids of feature 0, then feature 1, ...), as in the artifact's signature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+logger = logging.getLogger("serving.coalesce")
+Arrays = tuple[
+    np.ndarray, np.ndarray, np.ndarray
+]  # dense f32[B,D], values i64[N], lengths i32[F,B]
+# (merged arrays, time remaining or None) -> (scores f32[B], backend that answered)
+Send = Callable[[Arrays, float | None], Awaitable[tuple[np.ndarray, str]]]
+
+
+class Expired(Exception):
+    """The member's deadline passed before its batch left."""
+
+
+class ScoreCountError(ValueError):
+    """The backend returned another number of scores than the call had examples."""
+
+
+def merge(parts: Sequence[Arrays]) -> Arrays:
+    """Concatenate encoded batches: dense and lengths along B, ids kept feature-major.
+
+    Within each feature, the ids of part 0 come first, then part 1's, ...: a stable sort of
+    all ids by feature, with no loop over examples.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    dense = np.concatenate([p[0] for p in parts], axis=0)
+    lengths = np.concatenate([p[2] for p in parts], axis=1)
+    values = np.concatenate([p[1] for p in parts])
+    n_features = lengths.shape[0]
+    feature = np.concatenate(
+        [np.repeat(np.arange(n_features), p[2].sum(axis=1, dtype=np.int64)) for p in parts]
+    )
+    order = np.argsort(feature, kind="stable")
+    return dense, values[order], lengths
+
+
+def split(scores: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+    """``scores f32[sum(sizes)]`` -> one array per member, in order."""
+    return np.split(scores, np.cumsum(sizes)[:-1])
+
+
+@dataclass
+class Member:
+    arrays: Arrays
+    deadline: float | None  # loop time, None = no deadline
+    future: asyncio.Future[tuple[np.ndarray, str]]
+    examples: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.examples = int(self.arrays[0].shape[0])
+
+
+@dataclass
+class Stats:
+    calls: int = 0
+    """Backend calls made."""
+    requests: int = 0
+    """Requests answered through them."""
+    largest: int = 0
+    """Most examples in one backend call."""
+
+
+class Coalescer:
+    """Merges concurrent requests for one model version into backend calls (see module doc).
+
+    ``send``: one backend call; ``slots``: backend calls in flight at most (e.g. calls per
+    backend x backends); ``max_examples``: most examples per backend call (a single request
+    above it goes alone: it was validated against the request limit already).
+    """
+
+    def __init__(self, send: Send, slots: int, max_examples: int) -> None:
+        if slots < 1 or max_examples < 1:
+            raise ValueError("slots and max_examples must be >= 1")
+        self.send = send
+        self.slots = slots
+        self.max_examples = max_examples
+        self.queue: deque[Member] = deque()
+        self.in_flight = 0
+        self.stats = Stats()
+        self._tasks: set[asyncio.Task[None]] = set()  # referenced until done
+
+    async def score(self, arrays: Arrays, time_remaining: float | None) -> tuple[np.ndarray, str]:
+        """This request's scores ``f32[B]`` and the backend that answered; raises what the
+        backend call raised, or :class:`Expired`."""
+        loop = asyncio.get_running_loop()
+        deadline = None if time_remaining is None else loop.time() + time_remaining
+        member = Member(arrays, deadline, loop.create_future())
+        self.queue.append(member)
+        self._dispatch()
+        return await member.future
+
+    def _dispatch(self) -> None:
+        """Start backend calls while slots are free and requests wait."""
+        while self.in_flight < self.slots and self.queue:
+            batch = self._take()
+            if batch:
+                self.in_flight += 1
+                task = asyncio.get_running_loop().create_task(self._call(batch))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    def _take(self) -> list[Member]:
+        """The next batch: queued members in order, up to ``max_examples`` (at least one)."""
+        now = asyncio.get_running_loop().time()
+        batch: list[Member] = []
+        total = 0
+        while self.queue:
+            m = self.queue[0]
+            if m.future.done():  # the caller went away (cancelled)
+                self.queue.popleft()
+                continue
+            if m.deadline is not None and m.deadline <= now:
+                self.queue.popleft()
+                m.future.set_exception(Expired("the deadline passed while queued"))
+                continue
+            if batch and total + m.examples > self.max_examples:
+                break
+            batch.append(self.queue.popleft())
+            total += m.examples
+        return batch
+
+    async def _call(self, batch: list[Member]) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+            deadlines = [m.deadline for m in batch if m.deadline is not None]
+            remaining = max(deadlines) - loop.time() if len(deadlines) == len(batch) else None
+            sizes = [m.examples for m in batch]
+            logger.debug("backend call: %d requests, %d examples", len(batch), sum(sizes))
+            self.stats.calls += 1
+            self.stats.requests += len(batch)
+            self.stats.largest = max(self.stats.largest, sum(sizes))
+            try:
+                scores, backend = await self.send(merge([m.arrays for m in batch]), remaining)
+                if scores.size != sum(sizes):
+                    raise ScoreCountError(f"{scores.size} scores for {sum(sizes)} examples")
+            except Exception as e:  # every member gets the backend's error
+                for m in batch:
+                    if not m.future.done():
+                        m.future.set_exception(e)
+                return
+            for m, part in zip(batch, split(scores, sizes), strict=True):
+                if not m.future.done():
+                    m.future.set_result((part, backend))
+        finally:
+            self.in_flight -= 1
+            self._dispatch()
