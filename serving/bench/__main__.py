@@ -1,0 +1,5 @@
+import sys
+
+from serving.bench.run import main
+
+sys.exit(main())

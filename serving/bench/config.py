@@ -1,0 +1,59 @@
+"""The serving benchmark's config: what to measure, on which model, against which stack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from serving.config import GatewayConfig
+from serving.torchserve.config import MODEL_STORE, TorchServeConfig
+
+Method = Literal["in-process", "plain-torchserve", "torchserve-grpc", "gateway"]
+METHODS: list[Method] = ["in-process", "plain-torchserve", "torchserve-grpc", "gateway"]
+BASELINE: Method = "plain-torchserve"
+FLOOR: Method = "in-process"
+
+
+@dataclass
+class BenchConfig:
+    """Serving benchmark: in-process vs plain TorchServe vs TorchServe gRPC vs the gateway."""
+
+    export: Path | None = None
+    """An export dir whose .mar is in model_store (default: train and export a model to bench)."""
+    model_store: Path = MODEL_STORE
+    """Folder holding the export's ``<name>-<version>.mar`` (with --export)."""
+    max_rows: int = 100_000
+    """Table row cap of the criteo-kaggle-shaped model built when no export is given."""
+    sizes: list[int] = field(default_factory=lambda: [1, 100, 1000])
+    """Examples per request, one set of cells each."""
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    """Client threads (closed loop, one connection each); in-process runs at 1 only."""
+    requests: int = 200
+    """Requests per cell and round, split over the client threads (at least 2 each)."""
+    rounds: int = 2
+    """Rounds; within each, every cell runs every method in turn, so noise hits all alike."""
+    warmup: int = 16
+    """Untimed requests per method and size before the first round (TorchScript's profiling
+    runs, every TorchServe worker reached)."""
+    methods: list[Method] = field(default_factory=lambda: list(METHODS))
+    """Methods to run (ratios need plain-torchserve; efficiency needs in-process)."""
+    json: Path | None = None
+    """Also write the results and settings here."""
+    startup_timeout_s: float = 300.0
+    """Longest wait for the TorchServe instances and the gateway to be ready."""
+    torchserve: TorchServeConfig = field(default_factory=TorchServeConfig)
+    """The stack's TorchServe (torchserve-grpc, gateway): workers, batch size and delay as
+    ``make serve`` reads them; ports, model, store and workdir are set by the benchmark."""
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    """The gateway (as ``make serve`` starts it); port, schema, backend and key_file are set by
+    the benchmark."""
+
+    def __post_init__(self) -> None:
+        for name in ("sizes", "concurrency"):
+            if not getattr(self, name) or min(getattr(self, name)) < 1:
+                raise ValueError(f"{name}: give one or more positive numbers")
+        if self.requests < 1 or self.rounds < 1 or self.warmup < 0:
+            raise ValueError("requests and rounds must be at least 1, warmup at least 0")
+        if not self.methods:
+            raise ValueError("methods: name at least one of " + ", ".join(METHODS))

@@ -1,0 +1,170 @@
+"""``python -m serving.bench``: the run, from config to table; servers always stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from recsys_stack.config import ConfigError, parse, to_dict
+from recsys_stack.progress import progress
+from serving.bench import methods as m
+from serving.bench import servers
+from serving.bench.config import FLOOR, METHODS, BenchConfig
+from serving.bench.measure import Cell, run_cell
+from serving.bench.model import Model, build_model, payload
+from serving.bench.report import results, settings_text, table
+from serving.torchserve.keys import inference_key
+
+logger = logging.getLogger(__name__)
+DESCRIPTION = (
+    "Serving benchmark: the served artifact in process (the floor), plain TorchServe as its"
+    " users run it by default (REST + JSON, default workers, no batching), TorchServe's gRPC"
+    " API with this project's handler, and the gateway, interleaved on one model and machine."
+)
+
+
+def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str, Any]:
+    """Start the servers, run every cell ``cfg.rounds`` times; ``{"results", "settings"}``."""
+    load_before = os.getloadavg()
+    if cfg.export is None:
+        logger.info("building a criteo-kaggle-shaped model (tables <= %d rows)", cfg.max_rows)
+        export, store = build_model(work, cfg.max_rows)
+    else:
+        export, store = cfg.export, cfg.model_store
+    model = Model.load(export)
+    ts = dataclasses.replace(
+        cfg.torchserve, model_store=store, mar_file=f"{model.name}-{model.version}.mar",
+        model_name=model.name, model_version=model.version,
+    )  # fmt: skip
+    chosen: list[str] = [x for x in METHODS if x in cfg.methods]
+    up = servers.start_all(
+        model, ts, cfg.gateway, work, cfg.startup_timeout_s, stack,
+        want_plain="plain-torchserve" in chosen,
+        want_stack=bool({"torchserve-grpc", "gateway"} & set(chosen)),
+        want_gateway="gateway" in chosen,
+    )  # fmt: skip
+    settings = describe(cfg, model, up, chosen)
+    connects = _connects(chosen, model, up, settings)
+    payloads = {n: payload(model, n) for n in cfg.sizes}
+    cells = {
+        (x, n, c): Cell(x, n, c)
+        for n in cfg.sizes
+        for c in cfg.concurrency
+        for x in chosen
+        if x != FLOOR or c == 1
+    }
+    for x, connect in connects.items() if cfg.warmup else ():
+        for p in payloads.values():
+            run_cell(connect, p, 1 if x == FLOOR else min(4, max(cfg.concurrency)), cfg.warmup)
+    with progress(total=cfg.rounds * len(cells), desc="cells", unit="cell") as bar:
+        for _ in range(cfg.rounds):
+            for (x, n, c), cell in cells.items():  # methods innermost: interleaved per cell
+                cell.add(*run_cell(connects[x], payloads[n], c, cfg.requests))
+                bar.update(1)
+    settings["loadavg_before"], settings["loadavg_after"] = load_before, os.getloadavg()
+    return {"results": results(list(cells.values())), "settings": settings}
+
+
+def _connects(
+    chosen: list[str], model: Model, up: dict[str, Any], settings: dict[str, Any]
+) -> dict[str, m.Connect]:
+    out: dict[str, m.Connect] = {}
+    if FLOOR in chosen:
+        out[FLOOR] = m.in_process(model, settings["methods"][FLOOR]["threads"])
+    if "plain-torchserve" in chosen:
+        p = up["plain"]
+        path = f"/predictions/{p.model_name}/{p.model_version}"
+        out["plain-torchserve"] = m.plain_rest(
+            p.host, p.inference_port, path, inference_key(p.key_file)
+        )
+    if "torchserve-grpc" in chosen:
+        s = up["stack"]
+        out["torchserve-grpc"] = m.torchserve_grpc(
+            s.grpc_inference_target, inference_key(s.key_file)
+        )
+    if "gateway" in chosen:
+        out["gateway"] = m.gateway(f"127.0.0.1:{up['gateway'].port}")
+    return out
+
+
+def _worker_threads(cfg: BenchConfig) -> int:
+    """A stack worker's intra-op threads (the handler's own rule): the in-process floor's."""
+    from serving.handler import cpu_threads
+
+    return cpu_threads(dict(os.environ), os.cpu_count() or 1, cfg.torchserve.workers)
+
+
+def describe(
+    cfg: BenchConfig, model: Model, up: dict[str, Any], chosen: list[str]
+) -> dict[str, Any]:
+    """What ran where: the machine, the model, each method's server settings."""
+    per: dict[str, dict[str, Any]] = {}
+    if FLOOR in chosen:
+        per[FLOOR] = {"threads": _worker_threads(cfg), "concurrency": 1}
+    if "plain" in up:
+        per["plain-torchserve"] = {"api": "REST JSON", **servers.model_settings(up["plain"])}
+    if "stack" in up and "torchserve-grpc" in chosen:
+        per["torchserve-grpc"] = {"api": "gRPC RSB1", **servers.model_settings(up["stack"])}
+    if "gateway" in up:
+        gw = {k: v for k, v in to_dict(up["gateway"]).items()
+              if k not in ("schema", "host", "port", "backend", "key_file")}  # fmt: skip
+        per["gateway"] = {"api": "gRPC Ranker/Score", **servers.model_settings(up["stack"]),
+                          "gateway": gw}  # fmt: skip
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "model": {
+            "name": model.name, "version": model.version,
+            "served_variant": model.schema["served_variant"], "artifact": model.artifact.name,
+            "table_rows": [t["rows"] for t in model.schema.get("tables", [])],
+        },
+        "sizes": cfg.sizes, "concurrency": cfg.concurrency,
+        "requests_per_cell_and_round": cfg.requests, "rounds": cfg.rounds,
+        "methods": per,
+    }  # fmt: skip
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the ExitStack: every server stopped
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point (``recsys-bench-serving``, ``make bench``)."""
+    try:
+        cfg = parse(BenchConfig, argv, "python -m serving.bench", DESCRIPTION)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    work = Path(tempfile.mkdtemp(prefix="srvbench-", dir="/tmp"))  # short: TorchServe's sockets
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.callback(shutil.rmtree, work, ignore_errors=True)
+            out = bench(cfg, work, stack)
+    except (RuntimeError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: servers stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(settings_text(out["settings"]))
+    print()
+    print(table(out["results"]))
+    if cfg.json:
+        cfg.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0

@@ -1,0 +1,168 @@
+"""The servers under test, started side by side on free ports and always stopped.
+
+* the stack's TorchServe (``serving.torchserve.process``, the config ``make serve`` writes) with
+  the gateway (``serving.supervisor.launch_gateway``) in front of it;
+* the peer: a second TorchServe with TorchServe's defaults (workers = cores, batch size 1, its
+  own timeouts and queue) serving a .mar of the same TorchScript artifact with
+  ``plain_handler.py``. Its ``config.properties`` holds only what two instances on one machine
+  must not share: addresses, ports, the store and the model to load.
+
+Every process is registered on an ``ExitStack`` as soon as it exists, so an error, Ctrl-C or
+SIGTERM stops all of them (TorchServe's whole process group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from recsys_stack.net import free_ports
+from serving.config import GatewayConfig
+from serving.supervisor import launch_gateway, wait_serving
+from serving.torchserve import process
+from serving.torchserve.config import TorchServeConfig
+
+PLAIN_HANDLER = Path(__file__).with_name("plain_handler.py")
+PLAIN = ("plain", "1")  # the peer's model name and version
+
+
+def _ports(cfg: TorchServeConfig) -> TorchServeConfig:
+    p = free_ports(5)
+    return dataclasses.replace(
+        cfg, inference_port=p[0], management_port=p[1], metrics_port=p[2],
+        grpc_inference_port=p[3], grpc_management_port=p[4], host="127.0.0.1",
+    )  # fmt: skip
+
+
+def archive_plain(artifact: Path, store: Path) -> str:
+    """``plain-1.mar`` in ``store``: ``artifact`` with the plain handler; returns its name."""
+    store.mkdir(parents=True, exist_ok=True)
+    archiver = Path(sys.executable).parent / "torch-model-archiver"
+    cmd = [
+        str(archiver if archiver.exists() else "torch-model-archiver"),
+        "--model-name", PLAIN[0], "--version", PLAIN[1], "--serialized-file", str(artifact),
+        "--handler", str(PLAIN_HANDLER), "--export-path", str(store), "--force",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torch-model-archiver (plain): {proc.stderr.strip()[-500:]}")
+    return f"{PLAIN[0]}.mar"
+
+
+def start_plain(cfg: TorchServeConfig, stack: contextlib.ExitStack) -> subprocess.Popen[bytes]:
+    """TorchServe with its defaults for the peer's ``cfg`` (ports, store, workdir, model)."""
+    home = cfg.workdir.resolve()
+    (home / "tmp").mkdir(parents=True, exist_ok=True)
+    props = home / "config.properties"
+    props.write_text(
+        f"inference_address=http://{cfg.host}:{cfg.inference_port}\n"
+        f"management_address=http://{cfg.host}:{cfg.management_port}\n"
+        f"metrics_address=http://{cfg.host}:{cfg.metrics_port}\n"
+        f"grpc_inference_address={cfg.host}\ngrpc_management_address={cfg.host}\n"
+        f"grpc_inference_port={cfg.grpc_inference_port}\n"
+        f"grpc_management_port={cfg.grpc_management_port}\n"
+        f"model_store={cfg.model_store.resolve()}\nload_models={cfg.mar}\n"
+    )
+    env = {**os.environ, "TMPDIR": str(home / "tmp"), "TEMP": str(home / "tmp")}
+    env["LOG_LOCATION"] = env["METRICS_LOCATION"] = str(home / "logs")
+    with open(cfg.log_file.resolve(), "ab") as log:  # the child holds its own descriptor
+        proc = subprocess.Popen(
+            process.torchserve_command(cfg, props), cwd=home, env=env,
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    stack.callback(process.stop, proc)
+    return proc
+
+
+def start_stack_torchserve(
+    cfg: TorchServeConfig, stack: contextlib.ExitStack
+) -> subprocess.Popen[bytes]:
+    proc = process.start(cfg)
+    stack.callback(process.stop, proc)
+    return proc
+
+
+def wait_all_workers(cfg: TorchServeConfig, proc: subprocess.Popen[bytes], timeout: float) -> int:
+    """Block until every worker of ``cfg``'s model is READY; returns their number."""
+    deadline = time.monotonic() + timeout
+    process.wait_ready(cfg, timeout, proc)
+    while True:
+        workers = [w for m in process.describe(cfg) for w in m.get("workers", [])]
+        if workers and all(w.get("status") == "READY" for w in workers):
+            return len(workers)
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"{cfg.model_name}: not all workers READY; see {cfg.log_file}")
+        time.sleep(0.25)
+
+
+def model_settings(cfg: TorchServeConfig) -> dict[str, Any]:
+    """Workers, batch size, delay as TorchServe reports them, and the threads each worker uses."""
+    model = process.describe(cfg)[0]
+    threads = re.findall(r"MODEL_LOG - .*handler.*\((?:\w+ )?(\d+) threads\)|handler: (\d+) threads",
+                         cfg.log_file.read_text(errors="replace"))  # fmt: skip
+    return {
+        "workers": len(model.get("workers", [])),
+        "batch_size": model.get("batchSize"),
+        "max_batch_delay_ms": model.get("maxBatchDelay"),
+        "threads_per_worker": sorted({int(a or b) for a, b in threads}),
+    }
+
+
+def start_gateway(
+    gcfg: GatewayConfig, ts: TorchServeConfig, schema: Path, log: Path, stack: contextlib.ExitStack
+) -> tuple[GatewayConfig, subprocess.Popen[bytes]]:
+    """The gateway in front of ``ts`` on a free port; stopped (SIGTERM, then SIGKILL) on exit."""
+    gcfg = dataclasses.replace(
+        gcfg, schema=schema.resolve(), host="127.0.0.1", port=free_ports(1)[0],
+        backend=ts.grpc_inference_target, key_file=str(ts.key_file.resolve()),
+    )  # fmt: skip
+    proc = launch_gateway(gcfg, log)
+    stack.callback(_stop_gateway, proc)
+    return gcfg, proc
+
+
+def _stop_gateway(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+
+def start_all(
+    model: Any, ts: TorchServeConfig, gcfg: GatewayConfig, work: Path, timeout: float,
+    stack: contextlib.ExitStack, want_plain: bool, want_stack: bool, want_gateway: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """Start what the chosen methods need (both TorchServes at once); configs and targets."""
+    out: dict[str, Any] = {}
+    started = []
+    if want_plain:
+        store = work / "plain-store"
+        mar = archive_plain(model.artifact, store)
+        plain = _ports(TorchServeConfig(
+            model_store=store, mar_file=mar, model_name=PLAIN[0], model_version=PLAIN[1],
+            workdir=work / "plain-ts",
+        ))  # fmt: skip
+        started.append(("plain", plain, start_plain(plain, stack)))
+    if want_stack:
+        stack_ts = _ports(dataclasses.replace(ts, workdir=work / "stack-ts"))
+        started.append(("stack", stack_ts, start_stack_torchserve(stack_ts, stack)))
+    for key, cfg, proc in started:
+        wait_all_workers(cfg, proc, timeout)
+        out[key] = cfg
+    if want_gateway:
+        gcfg, gw = start_gateway(gcfg, out["stack"], model.export / "schema.json",
+                                 work / "gateway.log", stack)  # fmt: skip
+        wait_serving(f"127.0.0.1:{gcfg.port}", gw, timeout)
+        out["gateway"] = gcfg
+    return out

@@ -1,0 +1,81 @@
+"""The serving benchmark: the peer's handler scores like the artifact, the ratios are right, and
+a tiny real run (two TorchServes, the gateway) reports every method at every cell.
+
+No speed assertion: figures belong to ``python -m serving.bench`` runs, not to tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from serving.bench.config import METHODS
+from serving.bench.measure import Cell
+from serving.bench.model import Model, payload
+from serving.bench.plain_handler import PlainHandler
+from serving.bench.report import results, table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_plain_handler_scores_like_the_artifact(exported: tuple[Path, Path, str]) -> None:
+    model = Model.load(exported[0])
+    handler = PlainHandler()
+    handler.model = torch.jit.load(str(model.artifact))
+    a, b = payload(model, 3), payload(model, 5)
+    batch = [{"body": json.loads(a.plain_json)}, {"data": json.loads(b.plain_json)}]
+    out = handler.postprocess(handler.inference(handler.preprocess(batch)))
+    assert [len(x) for x in out] == [3, 5]
+    with torch.inference_mode():
+        want = handler.model(*(torch.from_numpy(x) for x in (b.dense, b.values, b.lengths)))
+    np.testing.assert_allclose(out[1], want.numpy(), atol=1e-6)
+
+
+def test_ratios_are_to_plain_at_the_same_cell_and_to_in_process_at_the_same_size() -> None:
+    cells = [Cell("in-process", 10, 1), Cell("plain-torchserve", 10, 4), Cell("gateway", 10, 4)]
+    for cell, ms, wall in zip(cells, (1.0, 20.0, 10.0), (0.1, 1.0, 0.5), strict=True):
+        cell.add([ms] * 10, wall, [])
+    rows = {r["method"]: r for r in results(cells)}
+    assert rows["in-process"]["examples_per_s"] == pytest.approx(1000)
+    gw = rows["gateway"]
+    assert gw["examples_per_s_vs_plain"] == pytest.approx(2.0)
+    assert gw["p50_vs_plain"] == pytest.approx(0.5)
+    assert gw["efficiency"] == pytest.approx(0.2)
+    assert rows["in-process"]["p50_vs_plain"] is None  # no plain cell at concurrency 1
+    assert "gateway" in table(list(rows.values()))
+
+
+def test_a_tiny_run_measures_every_method_at_every_cell(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    export, store, _ = exported
+    out = tmp_path / "bench.json"
+    args = [
+        "--export", str(export), "--model-store", str(store), "--sizes", "[1, 10]",
+        "--concurrency", "[1, 2]", "--requests", "4", "--rounds", "1", "--warmup", "2",
+        "--json", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "serving.bench", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    got = {(r["method"], r["examples"], r["concurrency"]): r for r in doc["results"]}
+    want = {
+        (m, n, c) for m in METHODS for n in (1, 10) for c in (1, 2) if m != "in-process" or c == 1
+    }
+    assert set(got) == want
+    for r in got.values():
+        assert r["errors"] == 0 and r["requests"] >= 4, r
+        assert r["p50_ms"] > 0 and r["p99_ms"] >= r["p50_ms"] and r["examples_per_s"] > 0, r
+    methods = doc["settings"]["methods"]
+    assert methods["plain-torchserve"]["batch_size"] == 1
+    assert methods["plain-torchserve"]["workers"] == doc["settings"]["usable_cores"]
+    assert "plain-torchserve" in proc.stdout and "efficiency" in proc.stdout
