@@ -40,6 +40,11 @@ class BenchConfig:
     """Methods to run (ratios need plain-torchserve; efficiency needs in-process)."""
     json: Path | None = None
     """Also write the results and settings here."""
+    plain_threads: int = 1
+    """``OMP_NUM_THREADS`` of the peer's workers (its handler, like TorchServe's examples, never
+    sets torch's threads); 0 = unset: torch's default, every core in each of TorchServe's
+    default workers (= cores), which oversubscribes the cores and collapses under concurrency.
+    The benchmark's only change to TorchServe's defaults: it measures the stronger peer."""
     startup_timeout_s: float = 300.0
     """Longest wait for the TorchServe instances and the gateway to be ready."""
     torchserve: TorchServeConfig = field(default_factory=TorchServeConfig)
@@ -53,7 +58,7 @@ class BenchConfig:
         for name in ("sizes", "concurrency"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ValueError(f"{name}: give one or more positive numbers")
-        if self.requests < 1 or self.rounds < 1 or self.warmup < 0:
-            raise ValueError("requests and rounds must be at least 1, warmup at least 0")
+        if self.requests < 1 or self.rounds < 1 or min(self.warmup, self.plain_threads) < 0:
+            raise ValueError("requests and rounds must be at least 1; warmup, plain_threads >= 0")
         if not self.methods:
             raise ValueError("methods: name at least one of " + ", ".join(METHODS))

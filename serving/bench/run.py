@@ -50,7 +50,7 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
     chosen: list[str] = [x for x in METHODS if x in cfg.methods]
     up = servers.start_all(
         model, ts, cfg.gateway, work, cfg.startup_timeout_s, stack,
-        want_plain="plain-torchserve" in chosen,
+        plain_threads=cfg.plain_threads if "plain-torchserve" in chosen else None,
         want_stack=bool({"torchserve-grpc", "gateway"} & set(chosen)),
         want_gateway="gateway" in chosen,
     )  # fmt: skip
@@ -113,7 +113,9 @@ def describe(
     if FLOOR in chosen:
         per[FLOOR] = {"threads": _worker_threads(cfg), "concurrency": 1}
     if "plain" in up:
-        per["plain-torchserve"] = {"api": "REST JSON", **servers.model_settings(up["plain"])}
+        omp = cfg.plain_threads or "unset"
+        per["plain-torchserve"] = {"api": "REST JSON", "OMP_NUM_THREADS": omp,
+                                   **servers.model_settings(up["plain"])}  # fmt: skip
     if "stack" in up and "torchserve-grpc" in chosen:
         per["torchserve-grpc"] = {"api": "gRPC RSB1", **servers.model_settings(up["stack"])}
     if "gateway" in up:

@@ -57,8 +57,11 @@ def archive_plain(artifact: Path, store: Path) -> str:
     return f"{PLAIN[0]}.mar"
 
 
-def start_plain(cfg: TorchServeConfig, stack: contextlib.ExitStack) -> subprocess.Popen[bytes]:
-    """TorchServe with its defaults for the peer's ``cfg`` (ports, store, workdir, model)."""
+def start_plain(
+    cfg: TorchServeConfig, threads: int, stack: contextlib.ExitStack
+) -> subprocess.Popen[bytes]:
+    """TorchServe with its defaults for the peer's ``cfg`` (ports, store, workdir, model),
+    ``OMP_NUM_THREADS=threads`` in its workers (0: unset, torch's default)."""
     home = cfg.workdir.resolve()
     (home / "tmp").mkdir(parents=True, exist_ok=True)
     props = home / "config.properties"
@@ -73,6 +76,9 @@ def start_plain(cfg: TorchServeConfig, stack: contextlib.ExitStack) -> subproces
     )
     env = {**os.environ, "TMPDIR": str(home / "tmp"), "TEMP": str(home / "tmp")}
     env["LOG_LOCATION"] = env["METRICS_LOCATION"] = str(home / "logs")
+    env.pop("OMP_NUM_THREADS", None)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     with open(cfg.log_file.resolve(), "ab") as log:  # the child holds its own descriptor
         proc = subprocess.Popen(
             process.torchserve_command(cfg, props), cwd=home, env=env,
@@ -141,19 +147,20 @@ def _stop_gateway(proc: subprocess.Popen[bytes]) -> None:
 
 def start_all(
     model: Any, ts: TorchServeConfig, gcfg: GatewayConfig, work: Path, timeout: float,
-    stack: contextlib.ExitStack, want_plain: bool, want_stack: bool, want_gateway: bool,
+    stack: contextlib.ExitStack, plain_threads: int | None, want_stack: bool, want_gateway: bool,
 ) -> dict[str, Any]:  # fmt: skip
-    """Start what the chosen methods need (both TorchServes at once); configs and targets."""
+    """Start what the chosen methods need (both TorchServes at once; the peer unless
+    ``plain_threads`` is None); their configs."""
     out: dict[str, Any] = {}
     started = []
-    if want_plain:
+    if plain_threads is not None:
         store = work / "plain-store"
         mar = archive_plain(model.artifact, store)
         plain = _ports(TorchServeConfig(
             model_store=store, mar_file=mar, model_name=PLAIN[0], model_version=PLAIN[1],
             workdir=work / "plain-ts",
         ))  # fmt: skip
-        started.append(("plain", plain, start_plain(plain, stack)))
+        started.append(("plain", plain, start_plain(plain, plain_threads, stack)))
     if want_stack:
         stack_ts = _ports(dataclasses.replace(ts, workdir=work / "stack-ts"))
         started.append(("stack", stack_ts, start_stack_torchserve(stack_ts, stack)))

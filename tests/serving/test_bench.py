@@ -78,4 +78,5 @@ def test_a_tiny_run_measures_every_method_at_every_cell(
     methods = doc["settings"]["methods"]
     assert methods["plain-torchserve"]["batch_size"] == 1
     assert methods["plain-torchserve"]["workers"] == doc["settings"]["usable_cores"]
+    assert methods["plain-torchserve"]["threads_per_worker"] == [1]  # --plain-threads 1
     assert "plain-torchserve" in proc.stdout and "efficiency" in proc.stdout
