@@ -94,7 +94,7 @@ demo: setup  ## everything on the embedded default: train -> export -> serve -> 
 	    LOADTEST_ARGS="--calibrate --slo-failure-ratio 0 $(LOADTEST_ARGS)"; \
 	  echo "report: $(OUT)/report.html  $(OUT)/latency.png  $(OUT)/summary.json"
 
-bench: setup  ## training (trainer vs DMP ceiling vs plain PyTorch) and serving (in-process vs REST JSON vs gateway) ratios
+bench: setup  ## training (trainer vs DMP ceiling vs plain PyTorch) and serving (in-process floor, plain TorchServe, TorchServe gRPC, gateway) ratios
 	$(PY) -m training.bench $(ARGS)
 	$(PY) -m serving.bench $(SERVING_BENCH_ARGS)
 

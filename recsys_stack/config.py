@@ -92,11 +92,13 @@ def parse_value(cls: type, dotted: str, text: str) -> Any:
         if len(text) >= 2 and text[0] == text[-1] == '"':
             return tomllib.loads(f"v = {text}")["v"]
         return text
+    is_list = typing.get_origin(tp) in (list, tuple)
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
+        return [value] if is_list and not isinstance(value, list) else value  # 100 = [100]
     except tomllib.TOMLDecodeError:
         pass
-    if typing.get_origin(tp) in (list, tuple) and "," in text:  # 1,2,4 as well as [1, 2, 4]
+    if is_list:  # 1,2,4 as well as [1, 2, 4]
         return [_scalar(t) for t in text.split(",") if t.strip()]
     return text
 

@@ -9,7 +9,7 @@ Response: ``float32[B]`` probabilities. Decoding is zero-copy (``np.frombuffer``
 wraps the views with ``torch.from_numpy``, see ``serving/scoring.py``) and checks every size
 against the header, so a truncated or inconsistent body is named precisely instead of crashing
 a worker. Also TorchServe's default REST style (JSON ``instances``), kept for users who call
-TorchServe directly and as the benchmark's baseline.
+TorchServe directly.
 
 No torch here: the gateway, the client and the load generator import this module, and keeping
 torch out of them keeps their processes and images small. Inputs may be numpy arrays or

@@ -81,42 +81,55 @@ def validate(
         )
 
     index = {name: k for k, name in enumerate(schema.sparse)}
-    lengths = np.zeros((len(schema.sparse), b), dtype=np.int32)
-    ids_of: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(schema.sparse)
-    seen: set[int] = set()
-    for feature in request.sparse:
-        name = feature.name
-        k = index.get(name)
+    order: list[int] = []  # schema position of each feature, in request order
+    for feature in request.sparse:  # names and counts: cheap, per feature
+        k = index.get(feature.name)
         if k is None:
             raise InvalidRequest(
-                f"sparse: unknown feature '{name}' (the model takes {', '.join(schema.sparse)})"
+                f"sparse: unknown feature '{feature.name}' (the model takes {', '.join(schema.sparse)})"
             )
-        if k in seen:
-            raise InvalidRequest(f"sparse: feature '{name}' appears twice")
-        seen.add(k)
-        ln = np.asarray(feature.lengths, dtype=np.int64)
-        if ln.size != b:
-            raise InvalidRequest(f"sparse[{name}].lengths: {ln.size} entries for {b} examples")
-        ids = np.asarray(feature.ids, dtype=np.int64)
-        if (ln < 0).any():
-            i = int(np.argmax(ln < 0))
+        if k in order:
+            raise InvalidRequest(f"sparse: feature '{feature.name}' appears twice")
+        if len(feature.lengths) != b:
+            raise InvalidRequest(
+                f"sparse[{feature.name}].lengths: {len(feature.lengths)} entries for {b} examples"
+            )
+        order.append(k)
+    # values: one vectorized pass over all features; the slow path only names what is wrong
+    lengths = np.zeros((len(schema.sparse), b), dtype=np.int32)
+    if not order:
+        return dense, np.empty(0, dtype=np.int64), lengths
+    given = np.stack([np.asarray(f.lengths, dtype=np.int64) for f in request.sparse])
+    counts = np.fromiter((len(f.ids) for f in request.sparse), dtype=np.int64, count=len(order))
+    ids_all = np.concatenate([np.asarray(f.ids, dtype=np.int64) for f in request.sparse])
+    if (given < 0).any() or (given > limits.max_ids_per_feature).any():
+        r, i = (int(x[0]) for x in np.nonzero((given < 0) | (given > limits.max_ids_per_feature)))
+        name, n = request.sparse[r].name, int(given[r, i])
+        if n < 0:
             raise InvalidRequest(f"sparse[{name}].lengths of example {i} is negative")
-        if (ln > limits.max_ids_per_feature).any():
-            i = int(np.argmax(ln > limits.max_ids_per_feature))
-            raise InvalidRequest(
-                f"sparse[{name}] of example {i} has {int(ln[i])} ids; the limit is {limits.max_ids_per_feature}"
-            )
-        if int(ln.sum()) != ids.size:
-            raise InvalidRequest(
-                f"sparse[{name}]: lengths add up to {int(ln.sum())} but there are {ids.size} ids"
-            )
-        if (ids < 0).any():
-            pos = int(np.argmax(ids < 0))
-            i = int(np.searchsorted(np.cumsum(ln), pos, side="right"))
-            raise InvalidRequest(
-                f"sparse[{name}] of example {i} has a negative id ({int(ids[pos])})"
-            )
-        lengths[k] = ln
+        raise InvalidRequest(
+            f"sparse[{name}] of example {i} has {n} ids; the limit is {limits.max_ids_per_feature}"
+        )
+    sums = given.sum(axis=1)
+    if (sums != counts).any():
+        r = int(np.argmax(sums != counts))
+        raise InvalidRequest(
+            f"sparse[{request.sparse[r].name}]: lengths add up to {int(sums[r])} but there are "
+            f"{int(counts[r])} ids"
+        )
+    if (ids_all < 0).any():
+        pos = int(np.argmax(ids_all < 0))
+        r = int(np.searchsorted(np.cumsum(counts), pos, side="right"))
+        within = pos - int(counts[:r].sum())
+        i = int(np.searchsorted(np.cumsum(given[r]), within, side="right"))
+        raise InvalidRequest(
+            f"sparse[{request.sparse[r].name}] of example {i} has a negative id ({int(ids_all[pos])})"
+        )
+    lengths[order] = given
+    if order == sorted(order):  # the usual case: features in schema order
+        return dense, ids_all, lengths
+    per_feature = np.split(ids_all, np.cumsum(counts)[:-1])
+    ids_of = [np.empty(0, dtype=np.int64)] * len(schema.sparse)
+    for k, ids in zip(order, per_feature, strict=True):
         ids_of[k] = ids
-    values = np.concatenate(ids_of) if any(x.size for x in ids_of) else np.empty(0, dtype=np.int64)
-    return dense, values, lengths
+    return dense, np.concatenate(ids_of), lengths

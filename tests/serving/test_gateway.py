@@ -32,7 +32,7 @@ def test_scores_equal_in_process_torchscript(stack: Stack, lo: int, hi: int) -> 
 
 
 def test_torchserve_rest_with_json_bodies_scores_the_same(stack: Stack) -> None:
-    # The default TorchServe path (the benchmark's baseline) goes through the same handler.
+    # JSON over REST (how TorchServe users call it directly) goes through the same handler.
     import http.client
     import json
 
