@@ -167,7 +167,7 @@ def torchserve(
     _, store, _ = exported
     workdir = tmp_path_factory.mktemp("ts")
     with running_torchserve(
-        store, workdir, batch_size=8, max_batch_delay_ms=5, response_timeout_s=60
+        store, workdir, workers=1, batch_size=8, max_batch_delay_ms=5, response_timeout_s=60
     ) as ts:
         yield ts
 

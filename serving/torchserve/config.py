@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,10 +56,14 @@ class TorchServeConfig:
     """Name the model is served under (gRPC ``model_name``, URL path); empty = the archive's."""
     model_version: str = ""
     """Version registered (and made the default) for ``model_name``; empty = the archive's."""
-    workers: int = env_field("RECSYS_TS_WORKERS", 1)
-    """Worker processes for the model (min = max: no autoscaling surprises)."""
-    batch_size: int = env_field("RECSYS_TS_BATCH_SIZE", 8)
-    """Most requests TorchServe aggregates into one ``handle`` call."""
+    workers: int = env_field("RECSYS_TS_WORKERS", 0)
+    """Worker processes for the model, min = max (no autoscaling surprises); 0 = one per core,
+    TorchServe's own default (measured best on CPU, docs/bench.md). The handler splits the
+    cores among them."""
+    batch_size: int = env_field("RECSYS_TS_BATCH_SIZE", 1)
+    """Most requests TorchServe aggregates into one ``handle`` call. 1 by default: the gateway
+    merges concurrent requests itself without a timer, while TorchServe's batching makes a
+    lone request wait out max_batch_delay_ms (measured: 13 ms vs 5 ms p50, docs/bench.md)."""
     max_batch_delay_ms: int = env_field("RECSYS_TS_MAX_BATCH_DELAY_MS", 5)
     """How long TorchServe waits to fill a batch before sending what it has."""
     response_timeout_s: int = 120
@@ -78,6 +83,10 @@ class TorchServeConfig:
             port = getattr(self, f.name)
             if f.name.endswith("_port") and not 0 < port < 65536:
                 raise ValueError(f"{f.name} = {port} is not a port number (1-65535)")
+
+    def worker_count(self) -> int:
+        """``workers``, with 0 resolved to this machine's core count."""
+        return self.workers or os.cpu_count() or 1
 
     @property
     def mar(self) -> str:
@@ -142,8 +151,8 @@ def properties(cfg: TorchServeConfig) -> dict[str, object]:
             cfg.model_version: {
                 "defaultVersion": True,
                 "marName": cfg.mar,
-                "minWorkers": cfg.workers,
-                "maxWorkers": cfg.workers,
+                "minWorkers": cfg.worker_count(),
+                "maxWorkers": cfg.worker_count(),
                 "batchSize": cfg.batch_size,
                 "maxBatchDelay": cfg.max_batch_delay_ms,
                 "responseTimeout": cfg.response_timeout_s,
@@ -163,7 +172,7 @@ def properties(cfg: TorchServeConfig) -> dict[str, object]:
         # both are needed: load_models picks the archive, models= carries its settings
         "load_models": cfg.mar,
         "models": json.dumps(model, separators=(",", ":")),
-        "default_workers_per_model": cfg.workers,
+        "default_workers_per_model": cfg.worker_count(),
         "default_response_timeout": cfg.response_timeout_s,
         "default_startup_timeout": cfg.startup_timeout_s,
         "job_queue_size": cfg.job_queue_size,

@@ -65,7 +65,7 @@ def start(cfg: TorchServeConfig) -> subprocess.Popen[bytes]:
         TEMP=str(tmp),  # java.io.tmpdir: worker sockets .ts.sock.<port>
         LOG_LOCATION=str(workdir / "logs"),
         METRICS_LOCATION=str(workdir / "logs"),
-        RECSYS_WORKERS=str(cfg.workers),  # the handler splits the cores among workers
+        RECSYS_WORKERS=str(cfg.worker_count()),  # the handler splits the cores among workers
     )
     with open(cfg.log_file.resolve(), "ab") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(

@@ -3,6 +3,7 @@ supervisor and the client as subprocesses, ports from the environment."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,8 @@ def test_serve_status_score_stop(exported: tuple[Path, Path, str], tmp_path: Pat
         assert again.returncode == 2 and "already running" in again.stderr
         status = run(*supervisor, "status")
         assert status.returncode == 0, status.stdout + status.stderr
-        assert "1 READY workers" in status.stdout and "SERVING" in status.stdout
+        cores = os.cpu_count() or 1  # default workers: one per core
+        assert f"{cores} READY workers" in status.stdout and "SERVING" in status.stdout
         # score 5 rows of a TSV built from the sample's first rows
         s = np.load(export / "sample.npz")
         tsv = tmp_path / "rows.tsv"

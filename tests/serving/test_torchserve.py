@@ -7,6 +7,7 @@ One instance for the module (the shared ``torchserve`` fixture), batching on (8 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import urllib.error
 import urllib.request
@@ -111,7 +112,9 @@ def test_properties_keep_auth_on_and_register_the_model(tmp_path: Path) -> None:
     assert props["inference_address"] == "http://127.0.0.1:8080"
     assert props["load_models"] == "m-2.mar"
     model = json.loads(props["models"])["m"]["2"]
-    assert (model["batchSize"], model["maxBatchDelay"], model["maxWorkers"]) == (8, 5, 1)
+    # defaults: no TorchServe batching (the gateway merges), one worker per core
+    cores = os.cpu_count() or 1
+    assert (model["batchSize"], model["maxBatchDelay"], model["maxWorkers"]) == (1, 5, cores)
     with pytest.raises(FileNotFoundError, match=r"m-3\.mar not found"):
         write_properties(TorchServeConfig(model_store=tmp_path, model_name="m", model_version="3"))
 
