@@ -52,7 +52,7 @@ class ServeConfig:
 
     workdir: Path = env_field("RECSYS_SERVE_DIR", WORKDIR)
     """State of the running stack: serve.json (pids, resolved configs) and the gateway's log;
-    TorchServe's own state goes to torchserve.workdir."""
+    TorchServe's own state goes to torchserve.workdir, by default ``<workdir>/torchserve``."""
     timeout_s: float = 240.0
     """Longest wait for TorchServe's model, then for the gateway, to be ready."""
     torchserve: TorchServeConfig = field(default_factory=TorchServeConfig)
@@ -147,8 +147,13 @@ def start(cfg: ServeConfig) -> str:
         raise FileNotFoundError(f"{cfg.gateway.schema}: {e} (run `make export` first)") from None
     if running(cfg.workdir):
         raise AlreadyRunning(f"already running ({cfg.workdir}); `make stop` first")
+    default_ts_dir = (
+        cfg.torchserve.workdir == TorchServeConfig.__dataclass_fields__["workdir"].default
+    )
     named = dataclasses.replace(
         cfg.torchserve,
+        # TorchServe's state follows the stack's unless set on its own
+        workdir=cfg.workdir / "torchserve" if default_ts_dir else cfg.torchserve.workdir,
         model_name=cfg.torchserve.model_name or schema.model_name,
         model_version=cfg.torchserve.model_version or schema.model_version,
     )

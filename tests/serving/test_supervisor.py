@@ -26,7 +26,6 @@ def test_serve_status_score_stop(exported: tuple[Path, Path, str], tmp_path: Pat
     env = _env({f"RECSYS_TS_{n}_PORT": str(p) for n, p in zip(PORT_VARS, ports, strict=False)})
     env["RECSYS_GATEWAY_PORT"] = str(ports[5])
     env["RECSYS_SERVE_DIR"] = str(tmp_path / "serve")
-    env["RECSYS_TS_WORKDIR"] = str(tmp_path / "serve" / "ts")
     supervisor = [sys.executable, "-m", "serving.supervisor"]
     start = [*supervisor, "start", "--gateway.schema", str(export / "schema.json"),
              "--torchserve.model-store", str(store)]  # fmt: skip
@@ -40,6 +39,8 @@ def test_serve_status_score_stop(exported: tuple[Path, Path, str], tmp_path: Pat
     try:
         assert started.returncode == 0, started.stderr[-2000:]
         assert f"gateway 127.0.0.1:{ports[5]}" in started.stdout
+        keys = tmp_path / "serve" / "torchserve" / "key_file.json"  # follows RECSYS_SERVE_DIR
+        assert keys.is_file()
         again = run(*start)
         assert again.returncode == 2 and "already running" in again.stderr
         status = run(*supervisor, "status")
@@ -59,7 +60,7 @@ def test_serve_status_score_stop(exported: tuple[Path, Path, str], tmp_path: Pat
     assert stopped.returncode == 0 and "stopped gateway, torchserve" in stopped.stdout
     assert not ours(tmp_path / "serve")
     assert run(*supervisor, "status").returncode == 3  # not running
-    assert not (tmp_path / "serve" / "ts" / "key_file.json").exists()
+    assert not keys.exists()
 
 
 def _tsv_rows(s: np.lib.npyio.NpzFile, n: int) -> str:
