@@ -8,27 +8,22 @@ misspelled key is one ``error:`` line with a suggestion and exit code 2.
 from __future__ import annotations
 
 import subprocess
-import sys
 import typing
 from pathlib import Path
 
 import pytest
 
 from recsys_stack.config import flag_name, iter_keys
-from tests.conftest import ROOT, _env, run_export, run_train
+from tests.conftest import ROOT, run_train
+from training.bench import main as bench_main
 from training.config import Config, parse_args
+from training.config import build_parser as train_parser
 from training.export.__main__ import build_parser as export_parser
+from training.export.__main__ import main as export_main
 from training.export.__main__ import parse_args as export_args
 from training.export.pipeline import ExportConfig
 
 TINY = "training/configs/tiny.toml"
-
-
-def _module(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
 
 
 def _only_error(proc: subprocess.CompletedProcess[str]) -> str:
@@ -36,6 +31,17 @@ def _only_error(proc: subprocess.CompletedProcess[str]) -> str:
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return errors[0]
+
+
+def _in_process(main: typing.Callable[..., int], argv: list[str], capsys: typing.Any) -> str:
+    """``main(argv)`` here (the subprocess path is covered once, for training.train): its one
+    error line; the entry point must exit 2 with nothing else on stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    return _only_error(subprocess.CompletedProcess([], int(code or 0), "", err))
 
 
 def _documents_every_field(help_text: str, cls: type) -> None:
@@ -54,12 +60,11 @@ def _documents_every_field(help_text: str, cls: type) -> None:
 
 
 def test_train_help_documents_every_config_field() -> None:
-    proc = _module("training.train", "--help")
-    assert proc.returncode == 0, proc.stderr
-    _documents_every_field(proc.stdout, Config)
+    text = train_parser().format_help()
+    _documents_every_field(text, Config)
     for flag in ("--config", "--run-dir", "--data", "--resume", "--no-progress", "--prepare-only"):
-        assert flag in proc.stdout
-    assert "--train.no-compile-dense" in proc.stdout  # booleans can be turned off
+        assert flag in text
+    assert "--train.no-compile-dense" in text  # booleans can be turned off
 
 
 def test_train_misspelled_key_is_one_line_with_a_suggestion() -> None:
@@ -132,23 +137,25 @@ def test_export_config_file_flags_and_overrides(tmp_path: Path) -> None:
     assert export_args(["--checkpoint", "c", "--quant", "none"]).quant == "none"
 
 
-def test_export_misspelled_key_and_bad_choice_are_one_line() -> None:
-    line = _only_error(run_export(["--run-dir", "runs/x", "quatn=int8"], check=False))
+def test_export_misspelled_key_and_bad_choice_are_one_line(capsys: typing.Any) -> None:
+    line = _in_process(export_main, ["--run-dir", "runs/x", "quatn=int8"], capsys)
     assert "unknown key 'quatn'" in line and "did you mean 'quant'" in line
-    line = _only_error(run_export(["--run-dir", "runs/x", "--quant", "int4"], check=False))
+    line = _in_process(export_main, ["--run-dir", "runs/x", "--quant", "int4"], capsys)
     assert "quant = 'int4': must be one of 'int8', 'fp16', 'none'" in line
-    line = _only_error(run_export([], check=False))
+    line = _in_process(export_main, [], capsys)
     assert "give --run-dir or --checkpoint" in line
 
 
 # ----------------------------------------------------------------------------- training.bench
 
 
-def test_bench_help_and_misspelled_key() -> None:
-    proc = _module("training.bench", "--help")
-    assert proc.returncode == 0, proc.stderr
-    _documents_every_field(proc.stdout, Config)
+def test_bench_help_and_misspelled_key(capsys: typing.Any) -> None:
+    with pytest.raises(SystemExit) as e:
+        bench_main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    _documents_every_field(text, Config)
     for flag in ("--max-rows", "--batch-size", "--steps", "--repeats", "--json", "--no-progress"):
-        assert flag in proc.stdout
-    line = _only_error(_module("training.bench", "--max-rows=10", "model.embeding_dim=8"))
+        assert flag in text
+    line = _in_process(bench_main, ["--max-rows=10", "model.embeding_dim=8"], capsys)
     assert "did you mean 'model.embedding_dim'" in line
