@@ -199,10 +199,20 @@ def test_outages_are_unavailable_then_recover(stack: Stack) -> None:
         if "model_service_worker" in " ".join(p.cmdline())
     ]
     assert workers, "no TorchServe worker found"
+    killed = {w.pid for w in workers}
     for w in workers:
         w.kill()
-    _assert_fails_unavailable_or_recovers(stack, request)
+    seen = _assert_fails_unavailable_or_recovers(stack, request)
+    assert "UNAVAILABLE" in seen, "killing every worker disrupted nothing: were they the workers?"
     wait_status(stack.target, "SERVING", 120)
+    ready = {
+        w.get("pid")
+        for m in process.describe(stack.cfg)
+        for w in m.get("workers", [])
+        if w.get("status") == "READY"
+    }
+    assert ready and all(isinstance(p, int) for p in ready), ready
+    assert not ready & killed, f"no new READY worker: {ready} (killed {killed})"
     # 2. Kill TorchServe itself: UNAVAILABLE within the deadline, health NOT_SERVING.
     process.stop(stack.torchserve, timeout=10)
     t0 = time.monotonic()
@@ -217,7 +227,9 @@ def test_outages_are_unavailable_then_recover(stack: Stack) -> None:
     test_scores_equal_in_process_torchscript(stack, 0, 500)
 
 
-def _assert_fails_unavailable_or_recovers(stack: Stack, request: ranker_pb2.ScoreRequest) -> None:
+def _assert_fails_unavailable_or_recovers(
+    stack: Stack, request: ranker_pb2.ScoreRequest
+) -> set[str]:
     """Right after a worker dies, each call either succeeds or fails UNAVAILABLE within the deadline."""
     seen = set()
     for _ in range(20):
@@ -231,3 +243,4 @@ def _assert_fails_unavailable_or_recovers(stack: Stack, request: ranker_pb2.Scor
         assert time.monotonic() - t0 < stack.deadline_s + 1.0
         time.sleep(0.1)
     assert seen <= {"OK", "UNAVAILABLE"}, seen
+    return seen
