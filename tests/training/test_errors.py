@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_train
+from training.train import main as train_main
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +36,22 @@ def _one_error_line(stderr: str, launcher: bool = False) -> str:
     ("overrides", "expected"),
     [
         (["--data", "/nonexistent/day_0.tsv"], "data file not found: /nonexistent/day_0.tsv"),
+        (['sharding.sharding_types=["row_wise"]'], "'row_wise' is not available on cpu"),
+    ],
+)
+def test_bad_data_or_plan_is_one_line(
+    overrides: list[str], expected: str, tmp_path: Path, data_dirs: list[str]
+) -> None:
+    proc = run_train(
+        [*TINY, "--run-dir", str(tmp_path), *data_dirs, *overrides], nproc=0, check=False
+    )
+    assert proc.returncode == 2
+    assert expected in _one_error_line(proc.stderr)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
         (
             ["model.embeding_dim=8"],
             "unknown key 'model.embeding_dim' (did you mean 'model.embedding_dim'?)",
@@ -45,18 +62,21 @@ def _one_error_line(stderr: str, launcher: bool = False) -> str:
             "model.num_embeddings[3] (table t_C4) = 0: a table needs at least 1 row",
         ),
         (['train.pipeline="fast"'], "train.pipeline = 'fast': must be one of"),
-        (['sharding.sharding_types=["row_wise"]'], "'row_wise' is not available on cpu"),
         (["--config", "training/configs/nope.toml"], "config file not found"),
     ],
 )
-def test_bad_config_or_data_is_one_line(
-    overrides: list[str], expected: str, tmp_path: Path, data_dirs: list[str]
+def test_bad_config_is_one_line(
+    overrides: list[str],
+    expected: str,
+    tmp_path: Path,
+    data_dirs: list[str],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    proc = run_train(
-        [*TINY, "--run-dir", str(tmp_path), *data_dirs, *overrides], nproc=0, check=False
-    )
-    assert proc.returncode == 2
-    assert expected in _one_error_line(proc.stderr)
+    # Refused while parsing, before any process group or data: the entry point in process
+    # (the subprocess path of the same main() is covered by the two cases above).
+    code = train_main([*TINY, "--run-dir", str(tmp_path), *data_dirs, *overrides])
+    assert code == 2
+    assert expected in _one_error_line(capsys.readouterr().err)
 
 
 def test_missing_data_fails_every_rank_without_hanging(
