@@ -17,7 +17,7 @@ import itertools
 import textwrap
 import types
 import typing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -102,7 +102,8 @@ def iter_keys(cls: type, prefix: str = "") -> Iterator[Key]:
             yield Key(path, tp, _default(f), docs.get(f.name, ""), f.metadata.get(ENV))
 
 
-def _suggest(key: str, options: Sequence[str], prefix: str = "") -> str:
+def suggest(key: str, options: Iterable[str], prefix: str = "") -> str:
+    """`` (did you mean '<prefix><closest>'?)`` when an option is close to ``key``, else ``""``."""
     close = difflib.get_close_matches(key, list(options), n=1)
     return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
@@ -171,7 +172,7 @@ def build(cls: type[T], raw: Mapping[str, Any], where: str = "") -> T:
         path = f"{where}.{key}" if where else key
         if key not in names:
             prefix = f"{where}." if where else ""
-            raise ConfigError(f"unknown key '{path}'{_suggest(key, names, prefix)}")
+            raise ConfigError(f"unknown key '{path}'{suggest(key, names, prefix)}")
         kwargs[key] = _coerce(value, hints[key], path)
     try:
         return cls(**kwargs)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import difflib
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from recsys_stack import config as shared
+from recsys_stack.typed import suggest
 from training.errors import ConfigError
 from training.features import NUM_SPARSE, SPARSE_NAMES, table_name
 
@@ -192,18 +192,13 @@ class Config:
         for tname in self.sharding.tables:
             if tname not in valid_tables:
                 raise ConfigError(
-                    f"sharding.tables.{tname}: no such table{_suggest(tname, valid_tables)}"
+                    f"sharding.tables.{tname}: no such table{suggest(tname, sorted(valid_tables))}"
                 )
 
 
 def _positive(name: str, value: int) -> None:
     if value < 1:
         raise ConfigError(f"{name} = {value}: must be >= 1")
-
-
-def _suggest(key: str, options: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(options), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 # ---------------------------------------------------------------------------------------------
