@@ -44,12 +44,16 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         self.coalescer = Coalescer(self._send, slots, c.max_examples) if c.enabled else None
 
     async def _send(self, arrays: Arrays, time_remaining: float | None) -> tuple[np.ndarray, str]:
-        """One TorchServe call for (possibly merged) validated arrays -> scores f32[B]."""
+        """One TorchServe call for (possibly merged) validated arrays -> scores f32[B]; the one
+        place that checks a reply has a score per example (both paths go through here)."""
         body = encode_request(*arrays)
         prediction, backend = await self.pool.predict(
             body, self.schema.model_version, time_remaining
         )
-        return decode_response(prediction), backend
+        scores = decode_response(prediction)
+        if scores.size != arrays[0].shape[0]:
+            raise ScoreCountError(f"{scores.size} scores for {arrays[0].shape[0]} examples")
+        return scores, backend
 
     async def Score(
         self, request: ranker_pb2.ScoreRequest, context: grpc.aio.ServicerContext
@@ -80,11 +84,6 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             )
         except ScoreCountError as e:
             await context.abort(grpc.StatusCode.INTERNAL, f"TorchServe returned {e}")
-        if scores.size != arrays[0].shape[0]:
-            await context.abort(
-                grpc.StatusCode.INTERNAL,
-                f"TorchServe returned {scores.size} scores for {arrays[0].shape[0]} examples",
-            )
         await context.send_initial_metadata((("x-recsys-backend", backend),))
         return ranker_pb2.ScoreResponse(
             scores=scores.tolist(),
