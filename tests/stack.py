@@ -30,7 +30,7 @@ from serving.config import GatewayConfig
 from serving.stubs import ranker_pb2_grpc
 from serving.supervisor import launch_gateway
 from serving.torchserve import process
-from serving.torchserve.config import TorchServeConfig
+from serving.torchserve.config import TorchServeConfig, on_free_ports
 
 # Java startup + worker load is ~10 s on a laptop; a 2-core CI box under load needs more.
 STARTUP_TIMEOUT_S = 240
@@ -39,12 +39,7 @@ MODEL = {"mar_file": "dlrm-tiny-1.0.mar", "model_name": "dlrm-tiny", "model_vers
 
 def torchserve_config(store: Path, workdir: Path, **overrides: Any) -> TorchServeConfig:
     """The tiny model's TorchServe on five free ports, state in ``workdir``."""
-    p = free_ports(5)
-    ports = dict(
-        inference_port=p[0], management_port=p[1], metrics_port=p[2],
-        grpc_inference_port=p[3], grpc_management_port=p[4],
-    )  # fmt: skip
-    return TorchServeConfig(**ports, model_store=store, workdir=workdir, **MODEL, **overrides)
+    return on_free_ports(TorchServeConfig(model_store=store, workdir=workdir, **MODEL, **overrides))
 
 
 def start_torchserve(cfg: TorchServeConfig) -> subprocess.Popen[bytes]:

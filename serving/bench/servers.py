@@ -28,18 +28,10 @@ from recsys_stack.net import free_ports
 from serving.config import GatewayConfig
 from serving.supervisor import launch_gateway, wait_serving
 from serving.torchserve import process
-from serving.torchserve.config import TorchServeConfig
+from serving.torchserve.config import TorchServeConfig, on_free_ports
 
 PLAIN_HANDLER = Path(__file__).with_name("plain_handler.py")
 PLAIN = ("plain", "1")  # the peer's model name and version
-
-
-def _ports(cfg: TorchServeConfig) -> TorchServeConfig:
-    p = free_ports(5)
-    return dataclasses.replace(
-        cfg, inference_port=p[0], management_port=p[1], metrics_port=p[2],
-        grpc_inference_port=p[3], grpc_management_port=p[4], host="127.0.0.1",
-    )  # fmt: skip
 
 
 def archive_plain(artifact: Path, store: Path) -> str:
@@ -63,7 +55,7 @@ def start_plain(
     """TorchServe with its defaults for the peer's ``cfg`` (ports, store, workdir, model),
     ``OMP_NUM_THREADS=threads`` in its workers (0: unset, torch's default)."""
     home = cfg.workdir.resolve()
-    (home / "tmp").mkdir(parents=True, exist_ok=True)
+    home.mkdir(parents=True, exist_ok=True)
     props = home / "config.properties"
     props.write_text(
         f"inference_address=http://{cfg.host}:{cfg.inference_port}\n"
@@ -74,16 +66,7 @@ def start_plain(
         f"grpc_management_port={cfg.grpc_management_port}\n"
         f"model_store={cfg.model_store.resolve()}\nload_models={cfg.mar}\n"
     )
-    env = {**os.environ, "TMPDIR": str(home / "tmp"), "TEMP": str(home / "tmp")}
-    env["LOG_LOCATION"] = env["METRICS_LOCATION"] = str(home / "logs")
-    env.pop("OMP_NUM_THREADS", None)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    with open(cfg.log_file.resolve(), "ab") as log:  # the child holds its own descriptor
-        proc = subprocess.Popen(
-            process.torchserve_command(cfg, props), cwd=home, env=env,
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    proc = process.launch(cfg, props, {"OMP_NUM_THREADS": str(threads) if threads else None})
     stack.callback(process.stop, proc)
     return proc
 
@@ -156,13 +139,13 @@ def start_all(
     if plain_threads is not None:
         store = work / "plain-store"
         mar = archive_plain(model.artifact, store)
-        plain = _ports(TorchServeConfig(
+        plain = on_free_ports(TorchServeConfig(
             model_store=store, mar_file=mar, model_name=PLAIN[0], model_version=PLAIN[1],
             workdir=work / "plain-ts",
         ))  # fmt: skip
         started.append(("plain", plain, start_plain(plain, plain_threads, stack)))
     if want_stack:
-        stack_ts = _ports(dataclasses.replace(ts, workdir=work / "stack-ts"))
+        stack_ts = on_free_ports(dataclasses.replace(ts, workdir=work / "stack-ts"))
         started.append(("stack", stack_ts, start_stack_torchserve(stack_ts, stack)))
     for key, cfg, proc in started:
         wait_all_workers(cfg, proc, timeout)

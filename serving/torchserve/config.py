@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recsys_stack.config import env_field
+from recsys_stack.net import free_ports
 
 LOG_FILE = "torchserve.log"
 WORKDIR = Path("runs/serve/torchserve")
@@ -186,6 +187,16 @@ def properties(cfg: TorchServeConfig) -> dict[str, object]:
         "enable_metrics_api": "true",
         "enable_envvars_config": "false",  # no TS_* variable silently overrides this file
     }
+
+
+def on_free_ports(cfg: TorchServeConfig) -> TorchServeConfig:
+    """``cfg`` on loopback with its five ports free ones (tests, benchmarks: instances side by
+    side on one machine)."""
+    p = free_ports(5)
+    return dataclasses.replace(
+        cfg, host="127.0.0.1", inference_port=p[0], management_port=p[1], metrics_port=p[2],
+        grpc_inference_port=p[3], grpc_management_port=p[4],
+    )  # fmt: skip
 
 
 def write_properties(cfg: TorchServeConfig) -> Path:

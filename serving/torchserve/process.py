@@ -48,10 +48,20 @@ def start(cfg: TorchServeConfig) -> subprocess.Popen[bytes]:
     """
     if not (cfg.model_name and cfg.model_version):
         raise ValueError("TorchServeConfig without a model name/version: resolve_model(cfg) first")
+    properties = write_properties(cfg).resolve()
+    # the handler splits the cores among the workers
+    return launch(cfg, properties, {"RECSYS_WORKERS": str(cfg.worker_count())})
+
+
+def launch(
+    cfg: TorchServeConfig, properties: Path, env: dict[str, str | None] | None = None
+) -> subprocess.Popen[bytes]:
+    """``torchserve`` with ``properties`` in ``cfg.workdir``, isolated from other instances on
+    the machine (pid file, worker sockets, logs), in a new session; ``env``: variables to set
+    for it (None = unset)."""
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         raise FileNotFoundError("java not found: TorchServe 0.12 needs Java 17 (or set JAVA_HOME)")
     workdir = cfg.workdir.resolve()
-    properties = write_properties(cfg).resolve()
     tmp = workdir / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     if len(str(tmp)) > 90:  # worker sockets live here; AF_UNIX paths stop at 107 bytes
@@ -59,19 +69,23 @@ def start(cfg: TorchServeConfig) -> subprocess.Popen[bytes]:
             f"workdir {workdir} is too deep for TorchServe's sockets: pick a shorter one"
         )
     cfg.key_file.unlink(missing_ok=True)  # a stale key would pass for the new one
-    env = dict(os.environ)
-    env.update(
+    child_env = dict(os.environ)
+    child_env.update(
         TMPDIR=str(tmp),  # the launcher's pid file ($TMPDIR/.model_server.pid): one per instance
         TEMP=str(tmp),  # java.io.tmpdir: worker sockets .ts.sock.<port>
         LOG_LOCATION=str(workdir / "logs"),
         METRICS_LOCATION=str(workdir / "logs"),
-        RECSYS_WORKERS=str(cfg.worker_count()),  # the handler splits the cores among workers
     )
+    for name, value in (env or {}).items():
+        if value is None:
+            child_env.pop(name, None)
+        else:
+            child_env[name] = value
     with open(cfg.log_file.resolve(), "ab") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
             torchserve_command(cfg, properties),
             cwd=workdir,  # TorchServe writes key_file.json into its working directory
-            env=env,
+            env=child_env,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
