@@ -98,8 +98,22 @@ bench: setup  ## training (trainer vs DMP ceiling vs plain PyTorch) and serving 
 	$(PY) -m training.bench $(ARGS)
 	$(PY) -m serving.bench $(SERVING_BENCH_ARGS)
 
-test: setup  ## the CI suite (CPU, real torchrun process groups)
+test: setup test-deps  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# System tools the suite runs for real: docker-compose (tests/deploy validates the compose file
+# with `docker-compose config`, no engine needed) and prometheus (it scrapes the live stack).
+# Installed with apt when missing (as root, or with passwordless sudo); otherwise the target
+# fails with the command to run: the suite never skips them.
+TEST_TOOLS := docker-compose prometheus
+.PHONY: test-deps
+test-deps:  ## install the system tools the suite needs (apt: docker-compose, prometheus)
+	@missing=""; for t in $(TEST_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" -eq 0 ]; then sudo_=""; elif sudo -n true 2>/dev/null; then sudo_="sudo"; \
+	else echo "error: the test suite needs$$missing: run 'sudo apt-get install -y$$missing'" >&2; exit 1; fi; \
+	echo "installing$$missing (apt)"; \
+	$$sudo_ apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo_ apt-get install -y -qq$$missing >/dev/null
 
 lint: setup  ## ruff + mypy
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy training serving loadtest recsys_stack

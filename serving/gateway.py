@@ -34,6 +34,15 @@ logger = logging.getLogger("serving.gateway")
 SERVICE = "recsys.v1.Ranker"
 
 
+class ScoreError(Exception):
+    """A scoring call that failed, with the gRPC status code every API reports it as."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
     def __init__(self, cfg: GatewayConfig, schema: Schema, pool: BackendPool) -> None:
         self.cfg = cfg
@@ -55,6 +64,32 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             raise ScoreCountError(f"{scores.size} scores for {arrays[0].shape[0]} examples")
         return scores, backend
 
+    async def score_arrays(
+        self, arrays: Arrays, version: str, time_remaining: float | None
+    ) -> tuple[np.ndarray, str]:
+        """Validated arrays -> (scores f32[B], backend): the one scoring path behind every API
+        (``recsys.v1`` and KServe v2); raises :class:`ScoreError` with the call's status code."""
+        if version != self.schema.model_version:
+            raise ScoreError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model_version '{version}' is not served here (this gateway serves "
+                f"{self.schema.model_name} v{self.schema.model_version})",
+            )
+        try:
+            if self.coalescer is not None:
+                return await self.coalescer.score(arrays, time_remaining)
+            return await self._send(arrays, time_remaining)
+        except BackendError as e:
+            raise ScoreError(e.code, e.message) from e
+        except Expired as e:
+            raise ScoreError(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from e
+        except CodecError as e:  # includes the handler refusing a request we validated: a bug
+            raise ScoreError(
+                grpc.StatusCode.INTERNAL, f"TorchServe's reply does not decode: {e}"
+            ) from e
+        except ScoreCountError as e:
+            raise ScoreError(grpc.StatusCode.INTERNAL, f"TorchServe returned {e}") from e
+
     async def Score(
         self, request: ranker_pb2.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> ranker_pb2.ScoreResponse:
@@ -63,27 +98,10 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         version = request.model_version or self.schema.model_version
-        if version != self.schema.model_version:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"model_version '{version}' is not served here (this gateway serves "
-                f"{self.schema.model_name} v{self.schema.model_version})",
-            )
         try:
-            if self.coalescer is not None:
-                scores, backend = await self.coalescer.score(arrays, context.time_remaining())
-            else:
-                scores, backend = await self._send(arrays, context.time_remaining())
-        except BackendError as e:
+            scores, backend = await self.score_arrays(arrays, version, context.time_remaining())
+        except ScoreError as e:
             await context.abort(e.code, e.message)
-        except Expired as e:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-        except CodecError as e:  # includes the handler refusing a request we validated: a bug
-            await context.abort(
-                grpc.StatusCode.INTERNAL, f"TorchServe's reply does not decode: {e}"
-            )
-        except ScoreCountError as e:
-            await context.abort(grpc.StatusCode.INTERNAL, f"TorchServe returned {e}")
         await context.send_initial_metadata((("x-recsys-backend", backend),))
         return ranker_pb2.ScoreResponse(
             scores=scores.tolist(),
