@@ -19,28 +19,21 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from recsys_stack.config import ConfigError, parse
+from serving import kserve
 from serving.backends import BackendError, BackendPool
 from serving.coalesce import Arrays, Coalescer, Expired, ScoreCountError
 from serving.codec import CodecError, decode_response, encode_request
 from serving.config import GatewayConfig
-from serving.stubs import ranker_pb2, ranker_pb2_grpc
+from serving.errors import ScoreError
+from serving.stubs import kserve_pb2, ranker_pb2, ranker_pb2_grpc, reflection_pool
 from serving.torchserve.keys import KeyFileError, read_keys
 from serving.validate import InvalidRequest, Schema, validate
 
 logger = logging.getLogger("serving.gateway")
 SERVICE = "recsys.v1.Ranker"
-
-
-class ScoreError(Exception):
-    """A scoring call that failed, with the gRPC status code every API reports it as."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
@@ -145,14 +138,19 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         options,
     )
     server = grpc.aio.server(options=options)
-    ranker_pb2_grpc.add_RankerServicer_to_server(Ranker(cfg, schema, pool), server)
+    ranker = Ranker(cfg, schema, pool)
+    ranker_pb2_grpc.add_RankerServicer_to_server(ranker, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection(
-        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    kserve.add_to_server(ranker, server)  # KServe v2, same port and scoring path
+    names = (SERVICE, kserve.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    descriptors = reflection_pool(
+        ranker_pb2.DESCRIPTOR, kserve_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR,
+        reflection_pb2.DESCRIPTOR,
+    )  # fmt: skip
+    reflection.enable_server_reflection(names, server, pool=descriptors)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
     logger.info(

@@ -1,6 +1,7 @@
 """Request validation against the model's ``schema.json``, before anything reaches TorchServe.
 
-Pure functions over a ``recsys.v1.ScoreRequest`` (or anything shaped like one): they return the
+Pure functions over a ``recsys.v1.ScoreRequest`` (or anything shaped like one), and over the
+model's input arrays for the KServe v2 API (:func:`validate_arrays`): they return the
 model's input tensors as numpy arrays or raise :class:`InvalidRequest` naming the field and,
 where it applies, the example index. Shapes: ``B`` examples, ``D`` dense, ``F`` sparse features.
 """
@@ -51,21 +52,91 @@ class Schema:
         )
 
 
-def validate(
-    request: Any, schema: Schema, limits: Limits, request_bytes: int | None = None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ScoreRequest -> ``(dense f32[B,D], values i64[N], lengths i32[F,B])`` in schema order."""
+def check_size(b: int, request_bytes: int | None, limits: Limits, field: str) -> None:
+    """The request's bytes and example count against ``limits``; ``field`` names the count."""
     if request_bytes is not None and request_bytes > limits.max_request_bytes:
         raise InvalidRequest(
             f"request is {request_bytes} bytes; the limit is {limits.max_request_bytes}"
         )
-    b = int(request.num_examples)
     if b < 1:
-        raise InvalidRequest("num_examples: a request needs at least one example")
+        raise InvalidRequest(f"{field}: a request needs at least one example")
     if b > limits.max_examples:
+        raise InvalidRequest(f"{field}: {b} is over the limit of {limits.max_examples} per request")
+
+
+def _check_lengths(lengths: np.ndarray, schema: Schema, limits: Limits) -> None:
+    """``lengths[F,B]`` (schema order): no negative count, none over the per-feature limit."""
+    bad = (lengths < 0) | (lengths > limits.max_ids_per_feature)
+    if bad.any():
+        k, i = (int(x[0]) for x in np.nonzero(bad))
+        name, n = schema.sparse[k], int(lengths[k, i])
+        if n < 0:
+            raise InvalidRequest(f"sparse[{name}].lengths of example {i} is negative")
         raise InvalidRequest(
-            f"num_examples: {b} is over the limit of {limits.max_examples} per request"
+            f"sparse[{name}] of example {i} has {n} ids; the limit is {limits.max_ids_per_feature}"
         )
+
+
+def validate_arrays(
+    dense: np.ndarray,
+    values: np.ndarray,
+    lengths: np.ndarray,
+    schema: Schema,
+    limits: Limits,
+    request_bytes: int | None = None,
+    field: str = "dense",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The model's inputs as arrays -> the same, checked like every API's requests.
+
+    ``dense f32[B,D]``, ``values i64[N]``, ``lengths i32[F,B]`` in schema order (the artifact's
+    own contract): finite dense values, lengths within ``limits`` adding up to ``N``, no
+    negative id, at most ``limits.max_examples`` examples and ``max_request_bytes`` bytes.
+    ``field`` names the example count in errors. Returns contiguous arrays of exactly those
+    dtypes; raises :class:`InvalidRequest` naming the feature and example.
+    """
+    d, f = len(schema.dense), len(schema.sparse)
+    b = int(dense.shape[0]) if dense.ndim == 2 else -1
+    if dense.ndim != 2 or dense.shape[1] != d:
+        raise InvalidRequest(f"dense: shape {list(dense.shape)}, the model takes [B, {d}]")
+    check_size(b, request_bytes, limits, field)
+    if lengths.shape != (f, b):
+        raise InvalidRequest(f"lengths: shape {list(lengths.shape)}, the model takes [{f}, {b}]")
+    if values.ndim != 1:
+        raise InvalidRequest(f"values: shape {list(values.shape)}, the model takes [N]")
+    dense = np.ascontiguousarray(dense, dtype=np.float32)
+    bad = ~np.isfinite(dense)
+    if bad.any():
+        i, j = (int(x[0]) for x in np.nonzero(bad))
+        raise InvalidRequest(
+            f"dense[{schema.dense[j]}] of example {i} is {dense[i, j]}: values must be finite"
+        )
+    _check_lengths(lengths, schema, limits)
+    per_feature = lengths.sum(axis=1, dtype=np.int64)
+    if int(per_feature.sum()) != values.size:
+        raise InvalidRequest(
+            f"lengths add up to {int(per_feature.sum())} ids but values has {values.size}"
+        )
+    values = np.ascontiguousarray(values, dtype=np.int64)
+    if (values < 0).any():
+        pos = int(np.argmax(values < 0))
+        k = int(np.searchsorted(np.cumsum(per_feature), pos, side="right"))
+        within = pos - int(per_feature[:k].sum())
+        i = int(np.searchsorted(np.cumsum(lengths[k]), within, side="right"))
+        raise InvalidRequest(
+            f"sparse[{schema.sparse[k]}] of example {i} has a negative id ({int(values[pos])})"
+        )
+    return dense, values, np.ascontiguousarray(lengths, dtype=np.int32)
+
+
+def validate(
+    request: Any, schema: Schema, limits: Limits, request_bytes: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ScoreRequest -> ``(dense f32[B,D], values i64[N], lengths i32[F,B])`` in schema order.
+
+    Checks the request's own structure (counts, feature names) here, then the values with
+    :func:`validate_arrays`, like every other API."""
+    b = int(request.num_examples)
+    check_size(b, request_bytes, limits, "num_examples")
     d = len(schema.dense)
     dense = np.asarray(request.dense, dtype=np.float32)
     if dense.size != b * d:
@@ -73,12 +144,6 @@ def validate(
             f"dense: {dense.size} values, but {b} examples x {d} features need {b * d}"
         )
     dense = dense.reshape(b, d)
-    bad = ~np.isfinite(dense)
-    if bad.any():
-        i, j = (int(x[0]) for x in np.nonzero(bad))
-        raise InvalidRequest(
-            f"dense[{schema.dense[j]}] of example {i} is {dense[i, j]}: values must be finite"
-        )
 
     index = {name: k for k, name in enumerate(schema.sparse)}
     order: list[int] = []  # schema position of each feature, in request order
@@ -96,20 +161,14 @@ def validate(
             )
         order.append(k)
     # values: one vectorized pass over all features; the slow path only names what is wrong
-    lengths = np.zeros((len(schema.sparse), b), dtype=np.int32)
+    lengths = np.zeros((len(schema.sparse), b), dtype=np.int64)  # int32 once checked
     if not order:
-        return dense, np.empty(0, dtype=np.int64), lengths
+        return validate_arrays(dense, np.empty(0, dtype=np.int64), lengths, schema, limits)
     given = np.stack([np.asarray(f.lengths, dtype=np.int64) for f in request.sparse])
     counts = np.fromiter((len(f.ids) for f in request.sparse), dtype=np.int64, count=len(order))
     ids_all = np.concatenate([np.asarray(f.ids, dtype=np.int64) for f in request.sparse])
-    if (given < 0).any() or (given > limits.max_ids_per_feature).any():
-        r, i = (int(x[0]) for x in np.nonzero((given < 0) | (given > limits.max_ids_per_feature)))
-        name, n = request.sparse[r].name, int(given[r, i])
-        if n < 0:
-            raise InvalidRequest(f"sparse[{name}].lengths of example {i} is negative")
-        raise InvalidRequest(
-            f"sparse[{name}] of example {i} has {n} ids; the limit is {limits.max_ids_per_feature}"
-        )
+    lengths[order] = given
+    _check_lengths(lengths, schema, limits)  # before the sums: a bad count is named as such
     sums = given.sum(axis=1)
     if (sums != counts).any():
         r = int(np.argmax(sums != counts))
@@ -117,19 +176,10 @@ def validate(
             f"sparse[{request.sparse[r].name}]: lengths add up to {int(sums[r])} but there are "
             f"{int(counts[r])} ids"
         )
-    if (ids_all < 0).any():
-        pos = int(np.argmax(ids_all < 0))
-        r = int(np.searchsorted(np.cumsum(counts), pos, side="right"))
-        within = pos - int(counts[:r].sum())
-        i = int(np.searchsorted(np.cumsum(given[r]), within, side="right"))
-        raise InvalidRequest(
-            f"sparse[{request.sparse[r].name}] of example {i} has a negative id ({int(ids_all[pos])})"
-        )
-    lengths[order] = given
-    if order == sorted(order):  # the usual case: features in schema order
-        return dense, ids_all, lengths
-    per_feature = np.split(ids_all, np.cumsum(counts)[:-1])
-    ids_of = [np.empty(0, dtype=np.int64)] * len(schema.sparse)
-    for k, ids in zip(order, per_feature, strict=True):
-        ids_of[k] = ids
-    return dense, np.concatenate(ids_of), lengths
+    if order != sorted(order):  # features out of schema order: regroup the ids
+        per_feature = np.split(ids_all, np.cumsum(counts)[:-1])
+        ids_of = [np.empty(0, dtype=np.int64)] * len(schema.sparse)
+        for k, ids in zip(order, per_feature, strict=True):
+            ids_of[k] = ids
+        ids_all = np.concatenate(ids_of)
+    return validate_arrays(dense, ids_all, lengths, schema, limits)
