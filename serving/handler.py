@@ -67,30 +67,55 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
         )
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
-        """Decode each request (RSB1 bytes, or JSON ``instances``), one forward, split back."""
+        """Decode each request (RSB1 bytes, or JSON ``instances``), one forward, split back.
+
+        Every failure is its own request's: a body that does not decode (or a request the model
+        raises on) gets the handler's rejection with its reason, its batch-mates still score."""
         decoded: list[Any] = []
-        as_json: list[bool] = []
         for i, row in enumerate(data):
-            body = row.get("data") or row.get("body")
             try:
-                if isinstance(body, bytes | bytearray) and body[:1] == b"{":
-                    body = json.loads(body)
-                as_json.append(isinstance(body, dict))
-                if isinstance(body, dict):
-                    names = self.scoring.dense_names, self.scoring.sparse_names
-                    decoded.append(to_tensors(*decode_json(body, *names)))
-                elif isinstance(body, bytes | bytearray):
-                    decoded.append(self.scoring.decode(body))
-                else:
-                    raise CodecError(f"expected an RSB1 or JSON body, got {type(body).__name__}")
-            except (CodecError, ValueError) as e:
-                context.set_response_status(400, str(e), idx=i)
-                decoded.append(str(e))
-        good = [i for i, x in enumerate(decoded) if not isinstance(x, str)]
-        out: list[Any] = [REJECTION + x.encode() if isinstance(x, str) else None for x in decoded]
-        if good:
-            for i, probs in zip(
-                good, self.scoring.forward([decoded[i] for i in good]), strict=True
-            ):
-                out[i] = probs.tolist() if as_json[i] else encode_response(probs)
+                decoded.append(self._decode(row))
+            except Exception as e:  # any failure here is this request's alone
+                decoded.append(self._reject(context, i, e))
+        good = [i for i, x in enumerate(decoded) if isinstance(x, tuple)]
+        scored: dict[int, Any] = {}
+        try:
+            if good:
+                batch = self.scoring.forward([decoded[i][0] for i in good])
+                scored = dict(zip(good, batch, strict=True))
+        except Exception:  # find the request the model refuses: score each alone
+            logger.warning("batch of %d failed; scoring its requests one by one", len(good))
+            for i in good:
+                try:
+                    scored[i] = self.scoring.forward([decoded[i][0]])[0]
+                except Exception as e:
+                    decoded[i] = self._reject(context, i, e)
+        out: list[Any] = []
+        for i, x in enumerate(decoded):
+            if isinstance(x, bytes):
+                out.append(x)
+            else:
+                out.append(scored[i].tolist() if x[1] else encode_response(scored[i]))
         return out
+
+    def _decode(self, row: dict[str, Any]) -> tuple[Any, bool]:
+        """One request's body -> (tensors, whether it came as JSON)."""
+        body = row.get("data") or row.get("body")
+        if isinstance(body, bytes | bytearray) and body[:1] == b"{":
+            try:
+                body = json.loads(body)
+            except ValueError as e:
+                raise CodecError(f"body starts with '{{' but is not JSON: {e}") from None
+        if isinstance(body, dict):
+            names = self.scoring.dense_names, self.scoring.sparse_names
+            return to_tensors(*decode_json(body, *names)), True
+        if isinstance(body, bytes | bytearray):
+            return self.scoring.decode(body), False
+        raise CodecError(f"expected an RSB1 or JSON body, got {type(body).__name__}")
+
+    @staticmethod
+    def _reject(context: Any, idx: int, error: Exception) -> bytes:
+        """Request ``idx`` fails with its reason (REST: 400 for a bad body, 500 otherwise)."""
+        reason = str(error) if isinstance(error, CodecError) else f"{type(error).__name__}: {error}"
+        context.set_response_status(400 if isinstance(error, ValueError) else 500, reason, idx=idx)
+        return REJECTION + reason.encode()

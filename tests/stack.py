@@ -158,11 +158,12 @@ def running_stack(
 def torchserve(
     exported: tuple[Path, Path, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TorchServeConfig, subprocess.Popen[bytes]]]:
-    """One TorchServe on free ports serving the tiny model: batching 8 requests / 5 ms."""
+    """One TorchServe on free ports serving the tiny model: batching 8 requests / 100 ms (long
+    enough that concurrent requests share a batch on a loaded CI machine)."""
     _, store, _ = exported
     workdir = tmp_path_factory.mktemp("ts")
     with running_torchserve(
-        store, workdir, workers=1, batch_size=8, max_batch_delay_ms=5, response_timeout_s=60
+        store, workdir, workers=1, batch_size=8, max_batch_delay_ms=100, response_timeout_s=60
     ) as ts:
         yield ts
 

@@ -1,10 +1,11 @@
 """docker-compose.yml and docker/ checked without a Docker engine (fast, CI).
 
-``docker-compose config`` (Compose 1.29, Debian's package; ``.ci/run`` installs it) validates
-the file against the compose schema it bundles and interpolates it, once per profile. The rest
-reads the resolved file: build files and targets exist, bind-mounted host paths exist (or are
-made by a make target), every ``python -m <module>`` / script / CLI and every flag a command
-passes is real (checked against its ``--help``), ports agree with the servers' defaults, every
+``docker-compose config`` (Compose 1.29, Debian's package; ``make test`` installs it with
+``make test-deps``, and its absence fails the tests, naming the command) validates the file
+against the compose schema it bundles and interpolates it, once per profile. The rest reads
+the resolved file: build files and targets exist, bind-mounted host paths exist (or are made
+by a make target), every ``python -m <module>`` / script / CLI and every flag a command passes
+is real (checked against its ``--help``), ports agree with the servers' defaults, every
 ``${VAR}`` has a default, and no service carries a secret.
 """
 
@@ -42,7 +43,10 @@ SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.I)
 def compose_bin() -> str:
     exe = shutil.which("docker-compose")
     if exe is None:
-        pytest.skip("docker-compose not installed (`apt-get install docker-compose`; .ci/run does)")
+        # make test installs it (make test-deps): a missing tool fails, it never skips
+        pytest.fail(
+            "docker-compose not found: run `make test-deps` (apt-get install docker-compose)"
+        )
     return exe
 
 

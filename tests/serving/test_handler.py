@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from serving.codec import (
+    REJECTION,
     CodecError,
     decode_json,
     decode_request,
@@ -19,8 +21,8 @@ from serving.codec import (
     encode_request,
     encode_response,
 )
-from serving.handler import choose_device, cpu_threads
-from serving.scoring import ScoringModel, slice_examples, to_tensors
+from serving.handler import RecsysHandler, choose_device, cpu_threads
+from serving.scoring import ScoringModel, Tensors, slice_examples, to_tensors
 
 
 def _sample(export: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
@@ -126,3 +128,81 @@ def test_batched_requests_of_different_sizes_score_like_separate_ones(
     for (lo, hi), out in zip(cuts, outs, strict=True):
         assert out.shape == (hi - lo,)
         assert np.allclose(out.numpy(), expected[lo:hi], atol=1e-6)
+
+
+class _Context:
+    """What ``handle`` reads of TorchServe's context: the per-request status it sets."""
+
+    def __init__(self) -> None:
+        self.status: dict[int, tuple[int, str]] = {}
+
+    def set_response_status(self, code: int, phrase: str, idx: int = 0) -> None:
+        self.status[idx] = (code, phrase)
+
+
+def _handler(scoring: ScoringModel) -> RecsysHandler:
+    handler = RecsysHandler()
+    handler.scoring = scoring
+    return handler
+
+
+@pytest.mark.slow
+def test_a_poison_body_in_a_batch_fails_alone(exported: tuple[Path, Path, str]) -> None:
+    export, _, _ = exported
+    handler = _handler(ScoringModel(export, "model_int8.pt", torch.device("cpu")))
+    dense, values, lengths, expected = _sample(export)
+    names = handler.scoring.dense_names
+    as_json = {"instances": [{"dense": dense[2].tolist(), "sparse": {}}]}
+    bodies: list[object] = [
+        b"{not json",  # first: a bad body must not shift the batch-mates' slots
+        encode_request(*slice_examples(dense, values, lengths, 0, 2)),
+        b'{"instances": [1]}',
+        json.dumps(as_json).encode(),
+        "text",
+        b"{\xff",
+        encode_request(*slice_examples(dense, values, lengths, 5, 9)),
+    ]
+    context = _Context()
+    out = handler.handle([{"body": b} for b in bodies], context)
+    assert len(out) == len(bodies)
+    np.testing.assert_allclose(decode_response(out[1]), expected[0:2], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(decode_response(out[6]), expected[5:9], atol=1e-6, rtol=0)
+    alone = handler.scoring.forward(
+        [to_tensors(*decode_json(as_json, names, handler.scoring.sparse_names))]
+    )
+    np.testing.assert_allclose(out[3], alone[0].numpy(), atol=1e-6, rtol=0)
+    reasons = {
+        0: "body starts with '{' but is not JSON",
+        2: "instances[0]: TypeError",
+        4: "expected an RSB1 or JSON body, got str",
+        5: "body starts with '{' but is not JSON",
+    }
+    assert set(context.status) == set(reasons)
+    for i, reason in reasons.items():
+        assert out[i].startswith(REJECTION + reason.encode()), out[i]
+        assert context.status[i][0] == 400 and context.status[i][1].startswith(reason)
+
+
+@pytest.mark.slow
+def test_a_request_the_model_raises_on_fails_alone(exported: tuple[Path, Path, str]) -> None:
+    export, _, _ = exported
+
+    class Refuses(ScoringModel):
+        """The real model, refusing any request of exactly 3 examples (a fault injected)."""
+
+        def forward(self, requests: list[Tensors]) -> list[torch.Tensor]:
+            if any(d.shape[0] == 3 for d, _, _ in requests):
+                raise RuntimeError("injected: 3 examples")
+            return super().forward(requests)
+
+    handler = _handler(Refuses(export, "model_int8.pt", torch.device("cpu")))
+    dense, values, lengths, expected = _sample(export)
+    cuts = [(0, 2), (2, 5), (5, 9)]
+    bodies = [encode_request(*slice_examples(dense, values, lengths, a, b)) for a, b in cuts]
+    context = _Context()
+    out = handler.handle([{"data": b} for b in bodies], context)
+    assert out[1] == REJECTION + b"RuntimeError: injected: 3 examples"
+    assert context.status == {1: (500, "RuntimeError: injected: 3 examples")}
+    for k in (0, 2):
+        a, b = cuts[k]
+        np.testing.assert_allclose(decode_response(out[k]), expected[a:b], atol=1e-6, rtol=0)

@@ -1,7 +1,7 @@
 """A real TorchServe (Java frontend + Python worker) serving the tiny exported .mar over gRPC.
 
 One instance for the module (the shared ``torchserve`` fixture), batching on (8 requests,
-5 ms), one worker.
+100 ms), one worker.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -208,6 +209,37 @@ def test_malformed_body_fails_alone_and_the_worker_survives(
     assert b"needs" in http_err.value.read()
     probs = decode_response(_score(channel, cfg, sample.body(0, 4), key))
     np.testing.assert_allclose(probs, sample.expected[0:4], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_poison_body_in_a_batch_fails_alone_and_its_batch_mates_score(
+    served: tuple[TorchServeConfig, str, Sample], channel: grpc.Channel
+) -> None:
+    cfg, key, sample = served
+    poison = b"{not json"  # once took its whole batch down (503 for every batch-mate)
+    cuts = [(k * 10, k * 10 + k + 1) for k in range(7)]
+    stub = inference_stub(channel)
+
+    def call(body: bytes) -> bytes:
+        request = predictions_request(cfg.model_name, "", body)
+        reply = stub.Predictions(request, timeout=CALL_TIMEOUT_S, metadata=bearer(key))
+        return bytes(reply.prediction)
+
+    shared = 0  # rounds whose 8 requests TorchServe handed to one handle() call
+    for _ in range(3):
+        before = _batches(cfg)
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            bad = pool.submit(call, poison)  # first in the batch: later slots must not shift
+            time.sleep(0.005)
+            good = [pool.submit(call, sample.body(a, b)) for a, b in cuts]
+            replies = [f.result() for f in good]
+        assert bad.result().startswith(b"invalid request: body starts with '{' but is not JSON")
+        for (a, b), reply in zip(cuts, replies, strict=True):
+            np.testing.assert_allclose(decode_response(reply), sample.expected[a:b], atol=1e-6)
+        shared += _batches(cfg) - before == 1
+        if shared:
+            break
+    assert shared, f"the 8 requests never shared a batch ({cfg.max_batch_delay_ms} ms window)"
 
 
 @pytest.mark.slow

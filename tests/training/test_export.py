@@ -28,7 +28,15 @@ def test_export_writes_variants_schema_parity_and_mar(exported: tuple[Path, Path
     assert schema["features"]["sparse"][0] == "C1" and len(schema["features"]["dense"]) == 13
     assert schema["source"]["step"] == 40 and schema["source"]["world_size"] == 2
     assert schema["model"] == {"name": "dlrm-tiny", "version": "1.0", "arch": "dlrm"}
-    assert schema["training_metrics"]["auc"] > 0.5
+    # The trainer's own AUC on the same eval split, computed by the sharded model that trained
+    # (metrics.jsonl, never read by the exporter): the exported models must match it. Shards
+    # put back wrongly would still agree among eager, fp32 and int8, but not with the trainer.
+    trainer = [json.loads(line) for line in (export.parent / "metrics.jsonl").open()]
+    at_step = next(m for m in trainer if m["step"] == schema["source"]["step"])
+    assert at_step["eval_rows"] == parity["rows"]
+    for variant in ("eager", "fp32", "int8"):
+        assert abs(parity["auc"][variant] - at_step["auc"]) <= 1e-3, (variant, at_step)
+    assert schema["training_metrics"]["auc"] == at_step["auc"]
     import hashlib
 
     for variant in ("fp32", "int8"):
