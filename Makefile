@@ -84,6 +84,10 @@ score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the synthetic set
 loadtest: setup  ## headless Locust against the gateway: USERS, SPAWN_RATE, DURATION, OUT; report + summary.json + PNG
 	$(PY) -m loadtest.run --users $(USERS) --spawn-rate $(SPAWN_RATE) --duration $(DURATION) --out $(OUT) $(LOADTEST_ARGS)
 
+.PHONY: evaluate
+evaluate: setup  ## score a labelled Criteo TSV (DATA) through the gateway [VERSION=]: AUC, NE, log loss, calibration -> OUT (JSON + PNG)
+	$(PY) -m serving.evaluate $(if $(DATA),--data $(DATA)) $(if $(VERSION),--version $(VERSION)) --out $(OUT) $(EVALUATE_ARGS)
+
 demo: setup  ## everything on the embedded default: train -> export -> serve -> score -> load test -> stop
 	$(MAKE) --no-print-directory train PRESET=demo
 	$(MAKE) --no-print-directory export PRESET=demo EXPORT_ARGS=--overwrite

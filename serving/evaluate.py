@@ -1,0 +1,268 @@
+"""Served-model evaluation: score a labelled Criteo TSV through the gateway, report its quality.
+
+``python -m serving.evaluate --data labelled.tsv`` (``make evaluate DATA=... [VERSION=...]``)
+reads the rows with the client's own TSV parser, scores them through the running gateway in
+batches (``recsys.v1`` Score, ``--version`` selects a model version) with a progress bar, prints
+AUC, normalized entropy, log loss and calibration (predicted CTR / actual CTR), and writes
+``evaluation.json`` and ``calibration.png`` to ``--out`` (default ``reports/<timestamp>/``).
+
+``--holdout 0.1`` scores only the last tenth of the file: the training run's held-out split
+when DATA is the file it trained on (``data.eval_fraction``, no malformed rows skipped), the
+rows the export's parity report is computed on. Metrics use numpy only (no torch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from recsys_stack.config import ConfigError, env_field, parse, to_dict
+from recsys_stack.progress import progress
+from serving.client import RankerClient, Rows, build_request, parse_rows
+from serving.config import GATEWAY_PORT, GATEWAY_PORT_ENV
+
+logger = logging.getLogger("serving.evaluate")
+EPS = 1e-7  # probabilities are clipped to [EPS, 1 - EPS] in log loss
+
+
+@dataclass
+class EvaluateConfig:
+    """Score a labelled Criteo TSV through the gateway and report AUC, NE, log loss,
+    calibration."""
+
+    data: Path | None = None
+    """Labelled Criteo TSV (label first, 40 tab-separated fields); required."""
+    version: str = ""
+    """Model version to evaluate; empty = the gateway's default version."""
+    out: Path | None = None
+    """Report folder for evaluation.json and calibration.png (default reports/<timestamp>/)."""
+    holdout: float = 0.0
+    """Score only the last fraction of the file's rows (0.1 = a training run's held-out split
+    with the default data.eval_fraction); 0 = every row."""
+    rows: int = 0
+    """Score at most this many rows (the first ones after ``holdout``); 0 = all."""
+    batch: int = 1000
+    """Examples per request (at most the gateway's limits.max_examples, 1000 by default)."""
+    bins: int = 20
+    """Calibration bins (equal numbers of rows, by predicted probability)."""
+    host: str = "127.0.0.1"
+    """The gateway's host."""
+    port: int = env_field(GATEWAY_PORT_ENV, GATEWAY_PORT)
+    """The gateway's port."""
+    timeout_s: float = 30.0
+    """Deadline of each request."""
+    progress: bool = True
+    """Show a progress bar (one line per interval when stderr is not a terminal)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.holdout < 1.0:
+            raise ValueError(f"holdout = {self.holdout}: must be in [0, 1)")
+        if self.rows < 0 or self.batch < 1 or self.bins < 1:
+            raise ValueError("rows must be >= 0, batch and bins >= 1")
+
+
+# --- metrics: pure functions of labels y[N] in {0, 1} and probabilities p[N] -----------------
+
+
+def roc_auc(y: np.ndarray, p: np.ndarray) -> float:
+    """Area under the ROC curve: the Mann-Whitney U statistic, ties counted one half."""
+    y = np.asarray(y).astype(bool)
+    ranks = np.empty(len(p), dtype=np.float64)
+    order = np.argsort(p, kind="mergesort")
+    sorted_p = np.asarray(p)[order]
+    starts = np.flatnonzero(np.r_[True, sorted_p[1:] != sorted_p[:-1]])
+    ends = np.r_[starts[1:], len(p)]
+    for_each = (starts + ends + 1) / 2.0  # average 1-based rank of each run of equal scores
+    ranks[order] = np.repeat(for_each, ends - starts)
+    pos = int(y.sum())
+    neg = len(y) - pos
+    if pos == 0 or neg == 0:
+        raise ValueError(f"AUC needs both labels; the {len(y)} rows have only {int(y[0])}s")
+    return float((ranks[y].sum() - pos * (pos + 1) / 2.0) / (pos * neg))
+
+
+def log_loss(y: np.ndarray, p: np.ndarray) -> float:
+    """Mean binary cross-entropy (natural log), probabilities clipped to [EPS, 1 - EPS]."""
+    q = np.clip(np.asarray(p, dtype=np.float64), EPS, 1 - EPS)
+    y = np.asarray(y, dtype=np.float64)
+    return float(-np.mean(y * np.log(q) + (1 - y) * np.log(1 - q)))
+
+
+def normalized_entropy(y: np.ndarray, p: np.ndarray) -> float:
+    """Log loss divided by the entropy of the base rate (1.0 = no better than predicting the
+    average CTR for every row; lower is better)."""
+    ctr = float(np.mean(y))
+    return log_loss(y, p) / log_loss(y, np.full(len(y), ctr))
+
+
+def calibration_bins(y: np.ndarray, p: np.ndarray, bins: int) -> list[dict[str, float]]:
+    """Rows sorted by ``p`` in ``bins`` groups of equal size: mean predicted vs actual rate."""
+    order = np.argsort(p, kind="mergesort")
+    out = []
+    for idx in np.array_split(order, min(bins, len(p))):
+        out.append(
+            {"rows": int(idx.size), "predicted": float(np.mean(p[idx])),
+             "actual": float(np.mean(y[idx]))}
+        )  # fmt: skip
+    return out
+
+
+def metrics(y: np.ndarray, p: np.ndarray, bins: int) -> dict[str, Any]:
+    """Every figure of the report for labels ``y[N]`` and probabilities ``p[N]``."""
+    predicted, actual = float(np.mean(p)), float(np.mean(y))
+    return {
+        "rows": len(y),
+        "auc": roc_auc(y, p),
+        "normalized_entropy": normalized_entropy(y, p),
+        "log_loss": log_loss(y, p),
+        "predicted_ctr": predicted,
+        "actual_ctr": actual,
+        "calibration": predicted / actual if actual > 0 else float("inf"),
+        "bins": calibration_bins(y, p, bins),
+    }
+
+
+# --- rows and scoring ---------------------------------------------------------------------------
+
+
+def row_window(path: Path, holdout: float, rows: int) -> tuple[int, int]:
+    """``(first row, row count)`` to score: the last ``holdout`` fraction, at most ``rows``."""
+    with path.open("rb") as f:
+        total = sum(1 for line in f if line.strip())
+    first = total - round(total * holdout) if holdout else 0
+    count = total - first
+    if rows:
+        count = min(count, rows)
+    if count < 1:
+        raise ValueError(f"{path}: no rows to score ({total} rows, holdout {holdout})")
+    return first, count
+
+
+def batches(path: Path, first: int, count: int, size: int) -> Iterator[tuple[np.ndarray, Rows]]:
+    """``(labels, rows)`` of rows ``first .. first+count`` of ``path``, ``size`` at a time."""
+    with path.open() as f:
+        lines = (line for line in f if line.strip())
+        window = itertools.islice(lines, first, first + count)
+        n = first
+        while chunk := list(itertools.islice(window, size)):
+            rows = parse_rows(chunk, str(path))
+            if rows.labels is None:
+                raise ValueError(
+                    f"{path}:{n + 1}: rows without a label: evaluation needs labelled rows "
+                    "(40 fields, label first)"
+                )
+            n += len(chunk)
+            yield rows.labels, rows
+
+
+def score_file(cfg: EvaluateConfig, path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Labels int8[N] and the gateway's probabilities float32[N] for the configured rows."""
+    first, count = row_window(path, cfg.holdout, cfg.rows)
+    logger.info("scoring rows %d..%d of %s through %s", first + 1, first + count, path,
+                f"{cfg.host}:{cfg.port}")  # fmt: skip
+    client = RankerClient(f"{cfg.host}:{cfg.port}", cfg.timeout_s)
+    labels: list[np.ndarray] = []
+    scores: list[np.ndarray] = []
+    bar = progress(total=count, desc="evaluate", unit="rows", disable=not cfg.progress)
+    try:
+        for y, rows in batches(path, first, count, cfg.batch):
+            scores.append(client.score(build_request(rows.dense, rows.sparse, cfg.version)))
+            labels.append(y)
+            bar.update(len(rows.dense))
+    finally:
+        bar.close()
+        client.close()
+    return np.concatenate(labels), np.concatenate(scores)
+
+
+def plot_calibration(report: dict[str, Any], path: Path) -> None:
+    """Reliability diagram: actual vs predicted CTR per bin, the diagonal for reference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pred = [b["predicted"] for b in report["bins"]]
+    act = [b["actual"] for b in report["bins"]]
+    top = max(max(pred), max(act), 1e-3) * 1.05
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.plot([0, top], [0, top], linestyle="--", color="grey", label="perfect calibration")
+    ax.plot(pred, act, marker="o", label=f"{len(pred)} bins of equal rows")
+    ax.set(xlim=(0, top), ylim=(0, top), xlabel="predicted CTR", ylabel="actual CTR")
+    ax.set_title(
+        f"AUC {report['auc']:.4f}  NE {report['normalized_entropy']:.4f}  "
+        f"calibration {report['calibration']:.3f}",
+        fontsize=9,
+    )
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def evaluate(cfg: EvaluateConfig, out: Path) -> dict[str, Any]:
+    """Score ``cfg.data`` through the gateway; write ``evaluation.json`` and
+    ``calibration.png`` to ``out``; return the report."""
+    if cfg.data is None:
+        raise ValueError("no labelled rows: pass --data FILE.tsv (make evaluate DATA=...)")
+    t0 = time.monotonic()
+    y, p = score_file(cfg, cfg.data)
+    report = {
+        "data": str(cfg.data),
+        "version": cfg.version or "(default)",
+        "gateway": f"{cfg.host}:{cfg.port}",
+        **metrics(y, p, cfg.bins),
+        "seconds": round(time.monotonic() - t0, 3),
+        "config": to_dict(cfg),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "evaluation.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    plot_calibration(report, out / "calibration.png")
+    return report
+
+
+def summary(report: dict[str, Any]) -> str:
+    """The printed lines of a report."""
+    return (
+        f"{report['rows']} rows of {report['data']} (version {report['version']})\n"
+        f"AUC {report['auc']:.6f}  NE {report['normalized_entropy']:.6f}  "
+        f"log loss {report['log_loss']:.6f}\n"
+        f"calibration {report['calibration']:.4f} (predicted CTR {report['predicted_ctr']:.6f} "
+        f"/ actual CTR {report['actual_ctr']:.6f})"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: parse, evaluate, print the figures and where the report went."""
+    try:
+        cfg = parse(EvaluateConfig, argv, "python -m serving.evaluate", __doc__.split("\n\n")[0])
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = cfg.out or Path("reports") / time.strftime("%Y%m%d-%H%M%S")
+    try:
+        report = evaluate(cfg, out)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    print(summary(report))
+    print(f"report: {out / 'evaluation.json'}  {out / 'calibration.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

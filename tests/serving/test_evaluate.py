@@ -1,0 +1,157 @@
+"""Served-model evaluation: the tiny model's held-out rows scored through the real gateway give
+the export's parity AUC; the metrics in process against slow obvious references."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from serving import evaluate
+from serving.torchserve.config import TorchServeConfig
+from serving.validate import Limits
+from tests.conftest import ROOT
+from tests.stack import start_gateway, stop_gateway, wait_status
+
+PNG = b"\x89PNG\r\n\x1a\n"
+PARITY_ROWS = 2000  # the tiny run's held-out split: 10% of 20,000 synthetic rows
+
+
+@pytest.fixture(scope="module")
+def synthetic_tsv(trained: Path, data_dirs: list[str]) -> Path:
+    """The TSV the tiny model was trained on (its last 10% = the export's parity rows)."""
+    (folder,) = [re.search(r'"(.*)"', o)[1] for o in data_dirs if "synthetic_dir" in o]  # type: ignore[index]
+    (tsv,) = Path(folder).glob("*.tsv")
+    return tsv
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    torchserve: tuple[TorchServeConfig, Any], exported: tuple[Path, Path, str], tmp_path_factory
+) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """A gateway taking the 2,000 parity rows in one request, so that they are scored in one
+    forward as the export scored them: float32 results differ in the last bit between batch
+    sizes, and the tiny model's held-out rows hold groups of identical rows whose tied scores
+    then split, moving the AUC by up to 2e-4 (see README, make evaluate)."""
+    proc, target = start_gateway(
+        exported[0] / "schema.json", [torchserve[0]], tmp_path_factory.mktemp("gw") / "gw.log",
+        limits=Limits(max_examples=PARITY_ROWS),
+    )  # fmt: skip
+    try:
+        wait_status(target, "SERVING", 120)
+        yield target
+    finally:
+        assert stop_gateway(proc) == 0
+
+
+def _args(target: str, *more: str) -> list[str]:
+    host, port = target.rsplit(":", 1)
+    return ["--host", host, "--port", port, "--no-progress", *more]
+
+
+def test_held_out_rows_give_the_parity_auc(
+    gateway: str, exported: tuple[Path, Path, str], synthetic_tsv: Path, tmp_path: Path, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    export = exported[0]
+    parity = json.loads((export / "parity.json").read_text())
+    schema = json.loads((export / "schema.json").read_text())
+    served = schema["served_variant"]
+    out = tmp_path / "report"
+    assert parity["rows"] == PARITY_ROWS
+    rc = evaluate.main(_args(gateway, "--data", str(synthetic_tsv), "--holdout", "0.1",
+                             "--batch", str(PARITY_ROWS), "--out", str(out),
+                             "--version", schema["model"]["version"]))  # fmt: skip
+    assert rc == 0
+    report = json.loads((out / "evaluation.json").read_text())
+    assert report["rows"] == PARITY_ROWS
+    assert abs(report["auc"] - parity["auc"][served]) <= 1e-4, (report["auc"], parity["auc"])
+    assert (out / "calibration.png").read_bytes()[:8] == PNG
+    printed = capsys.readouterr().out
+    assert f"AUC {report['auc']:.6f}" in printed and "calibration" in printed
+
+
+def test_figures_match_the_exports_sample(
+    gateway: str, exported: tuple[Path, Path, str], synthetic_tsv: Path, tmp_path: Path
+) -> None:
+    # The sample holds the first 1,000 parity rows with their labels and served probabilities:
+    # every figure of the report, recomputed from them, must agree.
+    export = exported[0]
+    served = json.loads((export / "schema.json").read_text())["served_variant"]
+    sample = np.load(export / "sample.npz")
+    y, p = sample["labels"], sample[f"probs_{served}"]
+    n = len(y)
+    rc = evaluate.main(_args(gateway, "--data", str(synthetic_tsv), "--holdout", "0.1",
+                             "--rows", str(n), "--batch", "300", "--out", str(tmp_path)))  # fmt: skip
+    assert rc == 0
+    report = json.loads((tmp_path / "evaluation.json").read_text())
+    want = evaluate.metrics(y, p, bins=20)
+    for key in ("rows", "normalized_entropy", "log_loss", "calibration", "actual_ctr"):
+        assert report[key] == pytest.approx(want[key], abs=1e-6), key
+    assert report["auc"] == pytest.approx(want["auc"], abs=5e-4)  # tied rows: see `gateway`
+
+
+def test_unlabelled_rows_and_a_missing_gateway_are_one_line_errors(
+    synthetic_tsv: Path, tmp_path: Path, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    unlabelled = tmp_path / "rows.tsv"
+    unlabelled.write_text("".join(line.split("\t", 1)[1] for line in _head(synthetic_tsv, 5)))
+    assert evaluate.main(["--data", str(unlabelled), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "evaluation needs labelled rows" in err
+    labelled = tmp_path / "labelled.tsv"
+    labelled.write_text("".join(_head(synthetic_tsv, 5)))
+    args = ["--data", str(labelled), "--port", "1", "--timeout-s", "2", "--no-progress"]
+    assert evaluate.main(args) == 1
+    assert capsys.readouterr().err.startswith("error: UNAVAILABLE")
+
+
+def test_make_evaluate_passes_data_version_and_out() -> None:
+    proc = subprocess.run(
+        ["make", "-n", "--no-print-directory", "-o", ".venv/.installed", "evaluate",
+         "DATA=held.tsv", "VERSION=2.0", "OUT=reports/x"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    line = [x for x in proc.stdout.splitlines() if "serving.evaluate" in x]
+    assert line and "--data held.tsv" in line[0] and "--version 2.0" in line[0]
+    assert "--out reports/x" in line[0]
+
+
+def _head(path: Path, n: int) -> list[str]:
+    with path.open() as f:
+        return [next(f) for _ in range(n)]
+
+
+# --- metrics in process ------------------------------------------------------------------------
+
+
+def test_auc_is_the_share_of_correctly_ordered_pairs() -> None:
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, size=300)
+    p = np.round(rng.random(300), 1)  # many ties: each counts one half
+    pos, neg = p[y == 1], p[y == 0]
+    pairs = (pos[:, None] > neg[None, :]).mean() + 0.5 * (pos[:, None] == neg[None, :]).mean()
+    assert evaluate.roc_auc(y, p) == pytest.approx(pairs, abs=1e-12)
+    with pytest.raises(ValueError, match="both labels"):
+        evaluate.roc_auc(np.ones(4), np.arange(4.0))
+
+
+def test_ne_calibration_and_bins() -> None:
+    rng = np.random.default_rng(1)
+    y = (rng.random(10_000) < 0.25).astype(np.int8)
+    base = evaluate.metrics(y, np.full(len(y), y.mean()), bins=4)
+    assert base["normalized_entropy"] == pytest.approx(1.0)  # the base rate: NE 1 by definition
+    assert base["calibration"] == pytest.approx(1.0)
+    doubled = evaluate.metrics(y, np.full(len(y), 2 * y.mean()), bins=4)
+    assert doubled["calibration"] == pytest.approx(2.0) and doubled["normalized_entropy"] > 1
+    p = np.clip(y * 0.6 + 0.2, 0, 1)  # informative: better than the base rate
+    good = evaluate.metrics(y, p, bins=4)
+    assert good["normalized_entropy"] < 1 and good["auc"] == 1.0
+    assert sum(b["rows"] for b in good["bins"]) == len(y) and len(good["bins"]) == 4
+    manual = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
+    assert good["log_loss"] == pytest.approx(manual)
