@@ -27,10 +27,10 @@ except ImportError:  # pragma: no cover - unit tests without TorchServe
 
 try:  # TorchServe puts the archive's extra files beside the handler, not in a package
     from codec import REJECTION, CodecError, decode_json, encode_response  # type: ignore[import-not-found]
-    from scoring import ScoringModel, to_tensors  # type: ignore[import-not-found]
+    from scoring import ScoringModel, choose_variant, to_tensors  # type: ignore[import-not-found]
 except ImportError:
     from serving.codec import REJECTION, CodecError, decode_json, encode_response
-    from serving.scoring import ScoringModel, to_tensors
+    from serving.scoring import ScoringModel, choose_variant, to_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +59,18 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
         if device.type == "cpu":
             workers = int(os.environ.get("RECSYS_WORKERS", "1"))
             torch.set_num_threads(cpu_threads(dict(os.environ), os.cpu_count() or 1, workers))
-        artifact = context.manifest["model"]["serializedFile"]
-        self.scoring = ScoringModel(Path(props["model_dir"]), artifact, device)
+        model_dir = Path(props["model_dir"])
+        schema = json.loads((model_dir / "schema.json").read_text())
+        variant, artifact, dtype = choose_variant(
+            schema, context.manifest["model"]["serializedFile"], device, dict(os.environ)
+        )
+        self.scoring = ScoringModel(model_dir, artifact, device, dtype)
+        self.variant = variant
         self.initialized = True
         logger.info(
-            "recsys handler: %s on %s (%d threads)", artifact, device, torch.get_num_threads()
-        )
+            "recsys handler: variant %s (%s%s) on %s (%d threads)", variant, artifact,
+            f", cast to {dtype}" if dtype else "", device, torch.get_num_threads(),
+        )  # fmt: skip
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
         """Decode each request (RSB1 bytes, or JSON ``instances``), one forward, split back.

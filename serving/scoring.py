@@ -7,17 +7,20 @@ Shapes: ``B`` examples, ``F`` = 26 sparse features; ids are grouped feature-majo
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-try:  # inside a TorchServe worker, archive files sit side by side
-    from codec import decode_request  # type: ignore[import-not-found]
-except ImportError:
-    from serving.codec import decode_request
+if TYPE_CHECKING:
+    import numpy as np
+
+# torch alone loads and runs a portable model here (serving.gpu_check, on a machine that may
+# have no numpy); only decoding a request body needs the (numpy) codec.
 
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # The views of a bytes body are read-only; the model never writes into its inputs, so torch's
@@ -25,6 +28,15 @@ Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 warnings.filterwarnings(
     "ignore", message="The given NumPy array is not writable", category=UserWarning, module=__name__
 )
+
+
+@functools.cache
+def _decode_request() -> Callable[..., Any]:
+    try:  # inside a TorchServe worker, archive files sit side by side
+        from codec import decode_request  # type: ignore[import-not-found]
+    except ImportError:
+        from serving.codec import decode_request
+    return decode_request  # type: ignore[no-any-return]
 
 
 def to_tensors(dense: np.ndarray, values: np.ndarray, lengths: np.ndarray) -> Tensors:
@@ -44,24 +56,97 @@ def slice_examples(
     return dense[lo:hi].contiguous(), torch.cat(parts), lengths[:, lo:hi].contiguous()
 
 
+def variant_of(schema: dict[str, Any], artifact: str) -> dict[str, Any]:
+    """The schema's record of ``artifact`` (older schemas: a TorchRec TorchScript file)."""
+    for info in schema.get("variants", {}).values():
+        if info.get("file") == artifact:
+            return dict(info)
+    return {"file": artifact, "kind": "torchscript", "requires": ["torch", "fbgemm_gpu"]}
+
+
+def load_artifact(
+    path: Path, variant: dict[str, Any], device: torch.device, dtype: torch.dtype | None
+) -> Any:
+    """Load a TorchScript (``.pt``) or ``torch.export`` (``.pt2``) artifact onto ``device``.
+
+    fbgemm is imported only for the variants whose schema entry requires it (TorchRec's);
+    ``dtype`` casts a portable scorer's weights (bf16 on CUDA); its output stays float32."""
+    if "fbgemm_gpu" in variant.get("requires", []):
+        import fbgemm_gpu  # noqa: F401  registers the fbgemm ops the artifact calls
+    if variant.get("kind", "torchscript") == "torchscript":
+        model = torch.jit.load(str(path), map_location=device)
+    elif variant["kind"] == "torch.export":
+        program = torch.export.load(path)
+        if device.type != "cpu":
+            from torch.export.passes import move_to_device_pass
+
+            program = move_to_device_pass(program, device)
+        return program.module()  # in eval mode already (exported so); dtype: export another
+    else:
+        raise ValueError(f"{path.name}: a {variant['kind']} artifact is not loadable by torch")
+    if dtype is not None:
+        if variant.get("requires") != ["torch"]:
+            raise ValueError(f"{path.name}: only a portable variant can be cast to {dtype}")
+        model = model.to(dtype)
+    return model.eval()
+
+
+CUDA_DTYPES = {"fp32": None, "fp16": None, "bf16": torch.bfloat16}  # fp16 has its own file
+
+
+def choose_variant(
+    schema: dict[str, Any], default: str, device: torch.device, env: dict[str, str]
+) -> tuple[str, str, torch.dtype | None]:
+    """``(variant, file, dtype to cast to)`` a worker on ``device`` serves.
+
+    ``RECSYS_VARIANT`` names a variant of ``schema["variants"]`` explicitly. Otherwise CPU
+    serves the archive's file (``default``: the export's CPU choice, int8 TorchScript today);
+    CUDA serves the torch-only portable scorer in ``RECSYS_CUDA_DTYPE`` (else the export's
+    ``cuda_dtype``): fp16 from its own file, bf16 cast from fp32 at load. Raises ValueError."""
+    variants: dict[str, Any] = schema.get("variants", {})
+    by_file = {info["file"]: v for v, info in variants.items()}
+    wanted = env.get("RECSYS_VARIANT", "")
+    if wanted:
+        if wanted not in variants or variants[wanted].get("kind") == "onnx":
+            usable = [v for v, i in variants.items() if i.get("kind") != "onnx"]
+            raise ValueError(f"RECSYS_VARIANT={wanted}: this export serves {', '.join(usable)}")
+        return wanted, variants[wanted]["file"], None
+    serving = schema.get("serving", {})
+    if device.type == "cuda" and serving.get("cuda"):
+        dtype = env.get("RECSYS_CUDA_DTYPE") or serving.get("cuda_dtype", "fp16")
+        if dtype not in CUDA_DTYPES:
+            raise ValueError(f"RECSYS_CUDA_DTYPE={dtype}: use one of {', '.join(CUDA_DTYPES)}")
+        name = f"{serving['cuda']}_fp16" if dtype == "fp16" else serving["cuda"]
+        if name in variants:
+            return name, variants[name]["file"], CUDA_DTYPES[dtype]
+    return by_file.get(default, default), default, None
+
+
 class ScoringModel:
     """The artifact and its schema, independent of TorchServe."""
 
-    def __init__(self, model_dir: Path, artifact: str, device: torch.device) -> None:
-        import fbgemm_gpu  # noqa: F401  registers the fbgemm ops the artifact calls
-
+    def __init__(
+        self,
+        model_dir: Path,
+        artifact: str,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.schema = json.loads((model_dir / "schema.json").read_text())
         self.dense_names: list[str] = list(self.schema["features"]["dense"])
         self.sparse_names: list[str] = list(self.schema["features"]["sparse"])
         self.dense_count = len(self.dense_names)
         self.sparse_count = len(self.sparse_names)
         self.device = device
-        self.model = torch.jit.load(str(model_dir / artifact), map_location=device)
-        self.model.eval()
+        self.variant = variant_of(self.schema, artifact)
+        if not (model_dir / artifact).is_file():
+            here = sorted(p.name for p in model_dir.glob("model_*"))
+            raise ValueError(f"{artifact} is not in {model_dir} (it has {', '.join(here)})")
+        self.model = load_artifact(model_dir / artifact, self.variant, device, dtype)
 
     def decode(self, body: bytes | bytearray) -> Tensors:
         """RSB1 bytes -> ``(dense f32[B,D], values i64[N], lengths i32[F,B])``."""
-        return to_tensors(*decode_request(body, self.dense_count, self.sparse_count))
+        return to_tensors(*_decode_request()(body, self.dense_count, self.sparse_count))
 
     def forward(self, requests: list[Tensors]) -> list[torch.Tensor]:
         """Concatenate requests (B_i examples each) into one batch, score, split back."""

@@ -24,23 +24,33 @@ def format_report(summary: dict[str, Any]) -> str:
     schema, parity = summary["schema"], summary["parity"]
     lines = [f"export: {summary['export_dir']}", f"archive: {summary['mar'] or '(skipped)'}", ""]
     sizes = {v: d["bytes"] for v, d in schema["variants"].items()}
-    lines.append("variant   size MiB   vs fp32   AUC       max|Δp| vs eager")
+    w = max(8, *(len(v) for v in sizes))
+    lines.append(f"{'variant':<{w}}  size MiB   vs fp32   AUC       max|Δp| vs eager")
     for v, b in sizes.items():
         lines.append(
-            f"{v:<8} {b / 2**20:>9.2f} {sizes['fp32'] / b:>8.2f}x  {parity['auc'][v]:.5f}   {parity['max_abs_diff'][v]:.2e}"
+            f"{v:<{w}} {b / 2**20:>9.2f} {sizes['fp32'] / b:>8.2f}x  {parity['auc'][v]:.5f}   {parity['max_abs_diff'][v]:.2e}"
         )
     lines.append(
-        f"eager    {'':>9} {'':>9}  {parity['auc']['eager']:.5f}   (reference, {parity['rows']} rows)"
+        f"{'eager':<{w}} {'':>9} {'':>9}  {parity['auc']['eager']:.5f}   (reference, {parity['rows']} rows)"
     )
     lines.append("")
     lines.append("in-process latency, ms (p50 / p99)")
     lat = parity["latency"]
     batches = list(next(iter(lat.values())))
-    lines.append("model    " + "".join(f"{'batch ' + b:>18}" for b in batches))
+    lines.append(f"{'model':<{w}} " + "".join(f"{'batch ' + b:>18}" for b in batches))
     for model, per in lat.items():
         lines.append(
-            f"{model:<8} "
+            f"{model:<{w}} "
             + "".join(f"{per[b]['p50_ms']:>9.2f} / {per[b]['p99_ms']:<6.2f}" for b in batches)
+        )
+    if "portable_onnx" in lat and "100" in lat["portable_onnx"]:
+        ratio = lat["portable_onnx"]["100"]["p50_ms"] / lat["fp32"]["100"]["p50_ms"]
+        lines.append(f"ONNX (onnxruntime) / TorchScript fp32 at batch 100: {ratio:.2f}x")
+    serving = schema.get("serving", {})
+    if serving:
+        lines.append(
+            f"served: cpu {serving['cpu']} (fastest here: {serving.get('fastest_cpu')}), "
+            f"cuda {serving.get('cuda')} in {serving.get('cuda_dtype')}"
         )
     for c in parity["checks"]:
         lines.append(

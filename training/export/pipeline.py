@@ -25,6 +25,7 @@ import torch
 from training.errors import ConfigError, DataError
 from training.export.archive import archive, check_target
 from training.export.parity import latency_report, parity_report, predict
+from training.export.portable import PORTABLE, load_variant, portable_scorer, save_portable
 from training.export.scorer import (
     CPU_ROW_ALIGNMENT,
     eager_scorer,
@@ -41,6 +42,9 @@ SCHEMA_VERSION = 1
 SAMPLE_ROWS = 1000
 # Modules the handler imports, archived beside it (TorchServe puts them on the worker's path).
 HANDLER_MODULES = ("codec.py", "scoring.py")
+# What a CUDA worker loads (fp32 TorchScript also serves bf16, cast at load), carried in the .mar.
+MAR_PORTABLE = ("portable", "portable_fp16")
+LATENCY_BATCH = "100"  # the batch size variants are compared (and the CPU's fastest chosen) at
 
 
 @dataclass
@@ -73,11 +77,46 @@ class ExportConfig:
     """Build the .mar (off: only the export directory)."""
     progress: bool = True
     """Progress bars while the parity rows are generated or preprocessed."""
+    portable: bool = True
+    """Also export the torch-only variants (no TorchRec/fbgemm to load): TorchScript fp32 and
+    fp16, a torch.export program (.pt2), ONNX; the .mar carries the TorchScript pair for CUDA."""
+    onnx: bool = True
+    """With portable: the portable scorer as ONNX too (checked under onnxruntime)."""
+    aoti: bool = False
+    """AOTInductor-compile the .pt2 for this machine's device (C++ compile: ~1 min at the
+    criteo-kaggle shape on 2 cores); needs portable."""
+    cuda_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
+    """Precision a CUDA worker serves the portable scorer in (recorded in schema.json; the
+    handler's RECSYS_CUDA_DTYPE overrides it)."""
+    cuda_int8: bool = False
+    """Also build int8 tables with CUDA kernels (16-byte rows): needs a GPU and the CUDA
+    fbgemm wheel."""
 
     def validate(self) -> None:
         """Raise ConfigError when the config names no checkpoint."""
         if self.run_dir is None and self.checkpoint is None:
             raise ConfigError("give --run-dir or --checkpoint (run_dir / checkpoint)")
+        if self.aoti and not self.portable:
+            raise ConfigError("aoti = true needs portable = true (it compiles the portable .pt2)")
+        if self.cuda_int8:
+            check_cuda_int8(torch.cuda.is_available())
+
+
+def check_cuda_int8(cuda_available: bool) -> None:
+    """Raise ConfigError unless int8 CUDA embedding kernels can be built here."""
+    from importlib import metadata
+
+    if not cuda_available:
+        raise ConfigError("cuda_int8 needs a CUDA GPU (torch.cuda.is_available() is False)")
+    try:
+        metadata.distribution("fbgemm-gpu")  # the CUDA build; the CPU one is fbgemm-gpu-cpu
+    except metadata.PackageNotFoundError:
+        raise ConfigError(
+            "cuda_int8 needs the CUDA fbgemm wheel: pip install fbgemm-gpu==1.8.0 "
+            "(it replaces fbgemm-gpu-cpu; built for torch 2.13)"
+        ) from None
+    # Never run on a machine with both (docs/bench.md): refuse rather than ship it untested.
+    raise ConfigError("cuda_int8: the CUDA int8 build is not implemented yet; serve portable_fp16")
 
 
 def _sha256(path: Path) -> str:
@@ -86,6 +125,21 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _variant_info(variant: str, path: Path) -> dict[str, Any]:
+    """Size, checksum, what loading it needs and its device, for schema.json's ``variants``."""
+    kind = PORTABLE[variant][1] if variant in PORTABLE else "torchscript"
+    requires = (
+        ["onnxruntime"] if kind == "onnx" else ["torch"] if variant in PORTABLE
+        else ["torch", "fbgemm_gpu"]
+    )  # fmt: skip
+    return {
+        "file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path), "kind": kind,
+        "requires": requires, "device": "cpu" if kind == "aoti" or variant not in PORTABLE
+        else "any",
+        "dtype": "fp16" if variant.endswith("fp16") else "int8" if variant == "int8" else "fp32",
+    }  # fmt: skip
 
 
 def parity_arrays(ecfg: ExportConfig, train_cfg: Any) -> Arrays:
@@ -117,6 +171,7 @@ def build_schema(
     files: dict[str, Path],
     parity: dict[str, Any],
     served: str,
+    fastest: str | None = None,
 ) -> dict[str, Any]:
     rows = cfg.model.rows()
     return {
@@ -134,11 +189,15 @@ def build_schema(
         },
         "output": "float32[B] click probability",
         "transforms": {"dense": "log1p(max(x, 0))", "ids": "id mod rows (per table)"},
-        "variants": {
-            v: {"file": p.name, "bytes": p.stat().st_size, "sha256": _sha256(p)}
-            for v, p in files.items()
-        },
+        "variants": {v: _variant_info(v, p) for v, p in files.items()},
         "served_variant": served,
+        # What the handler loads per device (serving/handler.py: choose_variant).
+        "serving": {
+            "cpu": served,
+            "cuda": "portable" if "portable" in files else None,
+            "cuda_dtype": ecfg.cuda_dtype,
+            "fastest_cpu": fastest,
+        },
         # Quantized tables are fbgemm CPU TBEs with unpadded rows; a CUDA artifact needs its own
         # export (16-byte rows, TBEs created on the GPU).
         "target": {"device": "cpu", "row_alignment": CPU_ROW_ALIGNMENT},
@@ -153,6 +212,18 @@ def build_schema(
         "versions": {"torch": torch.__version__},
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def fastest_cpu(
+    latency: dict[str, Any], files: dict[str, Path], parity: dict[str, Any]
+) -> str | None:
+    """The TorchScript variant with the lowest p50 at batch 100 among those passing parity."""
+    failed = {c["variant"] for c in parity["checks"] if not c["ok"]}
+    ok = [
+        v for v in files
+        if v not in failed and files[v].suffix == ".pt" and LATENCY_BATCH in latency.get(v, {})
+    ]  # fmt: skip
+    return min(ok, key=lambda v: latency[v][LATENCY_BATCH]["p50_ms"], default=None)
 
 
 def run_export(ecfg: ExportConfig) -> dict[str, Any]:
@@ -179,9 +250,21 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
         for v in variants:
             files[v] = tmp / f"model_{v}.pt"
             script_variant(dlrm, cfg, v).save(str(files[v]))  # type: ignore[arg-type]
-        loaded = {v: torch.jit.load(str(p)) for v, p in files.items()}  # check what was saved
+        loaded: dict[str, Any] = {v: torch.jit.load(str(p)) for v, p in files.items()}
         eager = eager_scorer(dlrm, cfg)
-        parity = parity_report(eager, loaded, arrays, quantized=variants[1:])
+        reduced = variants[1:]
+        if ecfg.portable:
+            example = raw_inputs(arrays.dense[:64], arrays.sparse[:64])
+            t0 = time.perf_counter()
+            portable = save_portable(
+                portable_scorer(dlrm, cfg.model), tmp, example, aoti=ecfg.aoti, onnx=ecfg.onnx
+            )
+            logger.info("portable variants written in %.1f s", time.perf_counter() - t0)
+            files.update(portable)
+            loaded.update({v: load_variant(p, PORTABLE[v][1]) for v, p in portable.items()})
+            reduced += [v for v in portable if PORTABLE[v][2]]
+        # check what was saved, as loaded back
+        parity = parity_report(eager, loaded, arrays, quantized=reduced)
         if not parity["ok"]:
             failed = "; ".join(
                 f"{c['check']} = {c['value']:.2e} > {c['limit']:.0e}"
@@ -195,16 +278,18 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
             parity["forced"] = True
             logger.warning("parity failed (%s); exporting because --force", failed)
         parity["latency"] = latency_report({"eager": eager, **loaded}, arrays)
+        fastest = fastest_cpu(parity["latency"], files, parity)
         (tmp / "parity.json").write_text(json.dumps(parity, indent=2))
         sample = arrays.rows(0, min(SAMPLE_ROWS, len(arrays)))
         dense, values, lengths = raw_inputs(sample.dense, sample.sparse)
         arrays_out: dict[str, np.ndarray] = {
             "dense": dense.numpy(), "values": values.numpy(), "lengths": lengths.numpy(),
             "labels": np.asarray(sample.labels),
+            "probs_eager": predict(eager, sample),
             **{f"probs_{v}": predict(m, sample) for v, m in loaded.items()},
         }  # fmt: skip
         np.savez(tmp / "sample.npz", **arrays_out)  # type: ignore[arg-type]
-        schema = build_schema(ecfg, cfg, meta, ckpt, files, parity, served)
+        schema = build_schema(ecfg, cfg, meta, ckpt, files, parity, served, fastest)
         (tmp / "schema.json").write_text(json.dumps(schema, indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -216,6 +301,7 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
         mar = archive(
             final, f"model_{served}.pt", ecfg.handler,
             [final / "schema.json", final / "parity.json"]
+            + [final / PORTABLE[v][0] for v in MAR_PORTABLE if v in files]
             + [ecfg.handler.parent / m for m in HANDLER_MODULES],
             ecfg.model_store, ecfg.name, ecfg.version, ecfg.overwrite,
         )  # fmt: skip
