@@ -157,3 +157,21 @@ def test_step_load_finds_a_knee_and_calibration_names_the_bottleneck(
     assert s["generator_ceiling_rps"] == ceiling > 0
     # the documented rule: server-bound when the run reached under half the generator's ceiling
     assert s["bottleneck"] == ("server" if s["rps"] < 0.5 * ceiling else "generator")
+
+
+@pytest.mark.slow
+def test_calibrate_alone_measures_the_generator_ceiling(rows_tsv: Path, tmp_path: Path) -> None:
+    # `python -m loadtest.calibrate` as the README runs it: Locust against the no-op server,
+    # every reply validated by the Locust user (a bad one would be a failure). 8 s, not 3: on a
+    # loaded 2-core machine Locust's start-up can take the whole of a 3 s run (0 requests).
+    out = tmp_path / "cal"
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest.calibrate", "-u", "2", "-r", "2", "-t", "8s",
+         "--data", str(rows_tsv), "--out", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    doc = json.loads((out / "calibration.json").read_text())
+    assert doc["users"] == 2 and doc["processes"] == 1, doc
+    assert doc["requests"] > 0 and doc["failures"] == 0 and doc["rps"] > 0, doc
+    assert f"generator ceiling: {doc['rps']:.1f} rps" in proc.stdout

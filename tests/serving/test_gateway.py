@@ -3,19 +3,28 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
-from serving.client import build_request
-from serving.stubs import ranker_pb2
+from serving.client import build_request, gateway_status
+from serving.stubs import ranker_pb2, ranker_pb2_grpc
 from serving.torchserve import process
 from serving.torchserve.keys import inference_key
-from tests.stack import Stack, start_torchserve, wait_status
+from tests.stack import (
+    Stack,
+    start_gateway,
+    start_torchserve,
+    stop_gateway,
+    torchserve_config,
+    wait_status,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -244,3 +253,59 @@ def _assert_fails_unavailable_or_recovers(
         time.sleep(0.1)
     assert seen <= {"OK", "UNAVAILABLE"}, seen
     return seen
+
+
+def test_an_unknown_model_version_is_not_found(stack: Stack) -> None:
+    request = _request(stack, 0, 3)
+    request.model_version = "9.9"
+    with pytest.raises(grpc.RpcError) as e:
+        stack.stub.Score(request, timeout=10)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
+    assert "model_version '9.9' is not served here" in (e.value.details() or "")
+    request.model_version = "1.0"  # the served version, named explicitly, scores
+    reply = stack.stub.Score(request, timeout=10)
+    np.testing.assert_allclose(np.asarray(reply.scores), stack.rows["probs_int8"][:3], atol=1e-6)
+
+
+def test_a_client_deadline_that_runs_out_is_deadline_exceeded(stack: Stack) -> None:
+    # The client's own deadline, shorter than a 1000-example call takes: DEADLINE_EXCEEDED (not
+    # UNAVAILABLE, which would say a backend is down), and the servers carry on.
+    codes = []
+    for timeout in (0.001, 0.003, 0.01):
+        try:
+            stack.stub.Score(_request(stack, 0, 1000), timeout=timeout)
+            codes.append("OK")
+        except grpc.RpcError as e:
+            codes.append(e.code().name)
+    assert set(codes) <= {"OK", "DEADLINE_EXCEEDED"} and "DEADLINE_EXCEEDED" in codes, codes
+    test_scores_equal_in_process_torchscript(stack, 0, 500)
+    assert wait_status(stack.target, "SERVING", 5) < 5
+
+
+def test_not_serving_until_a_probe_through_torchserve_succeeds(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    # A gateway in front of a TorchServe that is not answering (yet): reachable, but
+    # NOT_SERVING through several probe intervals, and a Score is UNAVAILABLE. The gateway
+    # refuses to start without the key file, which TorchServe writes first thing at startup:
+    # the test writes one (no TorchServe start needed).
+    export, store, _ = exported
+    cfg = torchserve_config(store, tmp_path / "ts")
+    cfg.workdir.mkdir()
+    keys = {kind: {"key": f"{kind}-key"} for kind in ("inference", "management", "API")}
+    cfg.key_file.write_text(json.dumps(keys))
+    gateway, target = start_gateway(export / "schema.json", [cfg], tmp_path / "gateway.log")
+    try:
+        wait_status(target, "NOT_SERVING", 60)
+        t0 = time.monotonic()
+        seen = set()
+        while time.monotonic() - t0 < 3:  # the probe runs every second
+            seen.add(gateway_status(target))
+            time.sleep(0.2)
+        assert seen == {"NOT_SERVING"}, seen
+        request = build_request(np.zeros((1, 13)), np.full((1, 26), -1))
+        with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as e:
+            ranker_pb2_grpc.RankerStub(channel).Score(request, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    finally:
+        assert stop_gateway(gateway) == 0

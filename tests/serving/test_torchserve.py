@@ -6,6 +6,8 @@ One instance for the module (the shared ``torchserve`` fixture), batching on (8 
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import json
 import os
 import subprocess
@@ -18,12 +20,14 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 import torch
 
 from recsys_stack.config import ConfigError, load
 from serving.codec import decode_response, encode_request
 from serving.scoring import slice_examples
+from serving.torchserve import process
 from serving.torchserve.client import (
     RequestRejected,
     inference_stub,
@@ -240,6 +244,25 @@ def test_a_poison_body_in_a_batch_fails_alone_and_its_batch_mates_score(
         if shared:
             break
     assert shared, f"the 8 requests never shared a batch ({cfg.max_batch_delay_ms} ms window)"
+
+
+@pytest.mark.slow
+def test_every_torchserve_api_listens_on_loopback_only(
+    served: tuple[TorchServeConfig, str, Sample], torchserve: Served
+) -> None:
+    cfg, proc = torchserve
+    listening = {
+        (c.laddr.ip, c.laddr.port)
+        for p in process.group_members(proc.pid)
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+    apis = [getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name.endswith("_port")]
+    assert len(apis) == 5 and {port for _, port in listening} >= set(apis), listening
+    for ip, port in listening:  # java reports IPv4 as IPv4-mapped IPv6 (::ffff:127.0.0.1)
+        addr = ipaddress.ip_address(ip)
+        addr = getattr(addr, "ipv4_mapped", None) or addr
+        assert addr.is_loopback, f"port {port} listens on {ip}"
 
 
 @pytest.mark.slow

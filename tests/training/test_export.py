@@ -200,3 +200,59 @@ def test_int8_artifact_is_over_3x_smaller_when_tables_dominate(tmp_path: Path) -
         script_variant(dlrm, cfg, variant).save(str(path))  # type: ignore[arg-type]
         sizes[variant] = path.stat().st_size
     assert sizes["fp32"] / sizes["int8"] >= 3.0, sizes
+
+
+def _trainer_auc(run: Path, step: int) -> float:
+    """The trainer's own eval AUC at ``step`` (metrics.jsonl), independent of the exporter."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    return float(next(m["auc"] for m in rows if m["step"] == step))
+
+
+@pytest.mark.parametrize("quant", ["fp16", "none"])
+def test_quant_fp16_or_none_exports_and_serves_that_variant(
+    trained: Path, tmp_path: Path, quant: str
+) -> None:
+    run, store = _copy_run(trained, tmp_path / "run"), tmp_path / "store"
+    run_export(["--run-dir", str(run), "--model-store", str(store), "--quant", quant])
+    export = run / "export"
+    schema = json.loads((export / "schema.json").read_text())
+    parity = json.loads((export / "parity.json").read_text())
+    served = "fp32" if quant == "none" else quant
+    assert {"fp32", "fp16"} & set(schema["variants"]) == {"fp32", served}
+    assert "int8" not in schema["variants"] and not (export / "model_int8.pt").exists()
+    assert parity["ok"] and abs(parity["auc"][served] - parity["auc"]["eager"]) <= 1e-3
+    assert abs(parity["auc"][served] - _trainer_auc(run, schema["source"]["step"])) <= 1e-3
+    (mar,) = store.glob("*.mar")
+    manifest = json.loads(zipfile.ZipFile(mar).read("MAR-INF/MANIFEST.json"))
+    assert manifest["model"]["serializedFile"] == f"model_{served}.pt"
+    import fbgemm_gpu  # noqa: F401
+
+    m = torch.jit.load(str(export / f"model_{served}.pt"))
+    s = np.load(export / "sample.npz")
+    with torch.inference_mode():
+        p = m(*(torch.from_numpy(s[k]) for k in ("dense", "values", "lengths"))).numpy()
+    np.testing.assert_allclose(p, s[f"probs_{served}"], atol=1e-6, rtol=0)
+
+
+def test_failed_parity_exports_nothing_unless_forced(
+    trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # The real exporter with the AUC limit at 0: the int8 variant (|ΔAUC| > 0 on these rows)
+    # now fails its parity check, as a worse quantization would.
+    from training.export import parity
+    from training.export.__main__ import main
+
+    monkeypatch.setattr(parity, "MAX_AUC_DROP_QUANT", 0.0)
+    run, store = _copy_run(trained, tmp_path / "run"), tmp_path / "store"
+    args = ["--no-progress", "--run-dir", str(run), "--model-store", str(store)]
+    assert main(args) == 2
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "parity failed on" in errors[0], errors
+    assert "|ΔAUC| int8 vs eager" in errors[0] and "(--force exports anyway)" in errors[0]
+    assert _store_listing(store) == [] and not (run / "export").exists()
+    assert main([*args, "--force"]) == 0
+    report = json.loads((run / "export" / "parity.json").read_text())
+    schema = json.loads((run / "export" / "schema.json").read_text())
+    assert report["forced"] is True and report["ok"] is False
+    assert schema["parity"]["forced"] is True and schema["parity"]["ok"] is False
+    assert [p.suffix for p in store.iterdir()] == [".mar"]
