@@ -12,12 +12,16 @@ variables ``python docker/torchserve_entry.py --help`` lists (``RECSYS_TS_*`` po
 batching; ``RECSYS_MODEL_STORE``, ``RECSYS_MODEL_MAR``, empty = the newest archive). The image
 sets ``RECSYS_TS_HOST=0.0.0.0`` (the gateway is another host on the compose network) and
 ``RECSYS_TS_WORKDIR=/shared/ts``. The key file is generated at start into
-``<workdir>/key_file.json`` (a volume the gateway mounts read-only); nothing secret is in the
-image.
+``<workdir>/key_file.json`` (this container's own volume); with ``RECSYS_TS_INFERENCE_KEY_FILE``
+set, its inference key alone is copied there (mode 0600, replaced atomically whenever TorchServe
+writes new keys): that is the file the gateway mounts, so it never holds management keys.
+Nothing secret is in the image.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import sys
 import time
@@ -26,6 +30,9 @@ from pathlib import Path
 from recsys_stack.config import ConfigError, parse
 from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig, resolve_model
+from serving.torchserve.keys import KeyFileError, inference_key
+
+INFERENCE_KEY_ENV = "RECSYS_TS_INFERENCE_KEY_FILE"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,9 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: stopping.append(s))
-    offset = 0
+    offset, copied = 0, -1
+    share = os.environ.get(INFERENCE_KEY_ENV, "")
     while True:
         offset = copy_log(cfg.log_file, offset)
+        if share:
+            copied = share_inference_key(cfg.key_file, Path(share), copied)
         if stopping:
             process.stop(proc)
             copy_log(cfg.log_file, offset)
@@ -52,6 +62,25 @@ def main(argv: list[str] | None = None) -> int:
             copy_log(cfg.log_file, offset)
             return proc.returncode or 1
         time.sleep(0.5)
+
+
+def share_inference_key(keys: Path, out: Path, copied: int) -> int:
+    """Copy the inference key of ``keys`` to ``out`` (``{"inference": {"key": ...}}``, mode
+    0600, atomic rename) when ``keys`` changed since mtime ``copied``; returns the new mtime."""
+    try:
+        mtime = keys.stat().st_mtime_ns
+        if mtime == copied:
+            return copied
+        key = inference_key(keys)
+    except (OSError, KeyFileError):
+        return copied  # not written yet
+    tmp = out.with_name(f".{out.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"inference": {"key": key}}, f)
+    tmp.replace(out)
+    print(f"torchserve: inference key shared in {out}", flush=True)
+    return mtime
 
 
 def copy_log(path: Path, offset: int) -> int:

@@ -11,7 +11,10 @@ Settings (environment, read by each load process):
   LOADTEST_DATA           Criteo TSV to draw payloads from (default: data/synthetic/*.tsv)
   LOADTEST_EXAMPLES       examples per request (default 100)
   LOADTEST_TIMEOUT_S      per-call deadline (default 5)
-  RECSYS_AUTH_TOKEN       optional: sent as ``authorization: Bearer <token>`` metadata
+  RECSYS_GATEWAY_TOKEN_FILE  the gateway's token file (default: runs/serve/gateway_token, or
+                          $RECSYS_SERVE_DIR/gateway_token, when it exists: what `make serve`
+                          writes); its first token goes as ``authorization: Bearer <token>``
+  RECSYS_AUTH_TOKEN       a token to send instead of the file's
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ if str(ROOT) not in sys.path:  # `locust -f` puts only loadtest/ on the path
 
 from loadtest.checks import check_reply  # noqa: E402
 from loadtest.payload import request_pool  # noqa: E402
+from serving.auth import call_metadata, client_token  # noqa: E402
 from serving.stubs import ranker_pb2_grpc  # noqa: E402
 
 NAME = "recsys.v1.Ranker/Score"
@@ -111,8 +115,7 @@ class RankerUser(User):
         )
         self.stub = ranker_pb2_grpc.RankerStub(self.channel)
         self.timeout = float(os.environ.get("LOADTEST_TIMEOUT_S", "5"))
-        token = os.environ.get("RECSYS_AUTH_TOKEN")
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.metadata = call_metadata(os.environ.get("RECSYS_AUTH_TOKEN") or client_token())
         self.pool = _pool()
 
     def on_stop(self) -> None:

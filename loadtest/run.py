@@ -47,11 +47,14 @@ def model_info(host: str, data: Path, examples: int) -> dict[str, str]:
     import grpc
 
     from loadtest.payload import request_pool
+    from serving.auth import client_token
     from serving.client import RankerClient
 
-    client = RankerClient(host, timeout=10)
+    client = RankerClient(host, timeout=10, token=client_token())
     try:
-        reply = client.stub.Score(request_pool(data, examples, size=1)[0], timeout=10)
+        reply = client.stub.Score(
+            request_pool(data, examples, size=1)[0], timeout=10, metadata=client.metadata
+        )
     except grpc.RpcError as e:
         code, details = e.code().name, e.details()  # type: ignore[attr-defined]
         raise RuntimeError(f"{host}: {code}: {details} (is the stack up? `make serve`)") from None

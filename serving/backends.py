@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from serving import metrics
 from serving.codec import encode_request
 from serving.torchserve.client import inference_stub, predictions_request
 from serving.torchserve.keys import KeyFileError, KeySource
@@ -147,6 +148,7 @@ class BackendPool:
                 last = BackendError(grpc.StatusCode.UNAVAILABLE, f"{backend.target}: {e}")
             if last.code != grpc.StatusCode.UNAVAILABLE:
                 raise last
+            metrics.failover(backend.target)
             if backend.healthy:
                 logger.warning("backend %s out of rotation: %s", backend.target, last.message)
             backend.healthy = False

@@ -12,12 +12,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from recsys_stack.config import ConfigError, parse
+from serving.auth import AuthError, call_metadata, client_token
 from serving.config import ClientConfig
 from serving.stubs import ranker_pb2, ranker_pb2_grpc
 
@@ -85,28 +87,57 @@ def build_request(
     )
 
 
-class RankerClient:
-    """Blocking client; ``score`` returns float32[B]."""
+def channel_credentials(cfg: ClientConfig) -> grpc.ChannelCredentials | None:
+    """TLS credentials from ``cfg.tls_*`` (None = plaintext); a client cert for mutual TLS."""
+    if not (cfg.tls_ca or cfg.tls_cert):
+        return None
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise ValueError("tls_cert and tls_key go together")
 
-    def __init__(self, target: str, timeout: float = 5.0) -> None:
-        self.channel = grpc.insecure_channel(target)
+    def pem(path: str) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    return grpc.ssl_channel_credentials(pem(cfg.tls_ca), pem(cfg.tls_key), pem(cfg.tls_cert))
+
+
+class RankerClient:
+    """Blocking client; ``score`` returns float32[B]. ``token``: the gateway's bearer token
+    (None = :func:`serving.auth.client_token`: ``RECSYS_GATEWAY_TOKEN_FILE`` or the file
+    ``make serve`` writes, when there is one; "" = none); ``credentials``: TLS (None =
+    plaintext)."""
+
+    def __init__(
+        self,
+        target: str,
+        timeout: float = 5.0,
+        token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        if credentials is None:
+            self.channel = grpc.insecure_channel(target)
+        else:
+            self.channel = grpc.secure_channel(target, credentials)
         self.stub = ranker_pb2_grpc.RankerStub(self.channel)
         self.timeout = timeout
+        self.metadata = call_metadata(client_token() if token is None else token)
 
     def score(self, request: ranker_pb2.ScoreRequest) -> np.ndarray:
-        reply = self.stub.Score(request, timeout=self.timeout)
+        reply = self.stub.Score(request, timeout=self.timeout, metadata=self.metadata)
         return np.asarray(reply.scores, dtype=np.float32)
 
     def close(self) -> None:
         self.channel.close()
 
 
-def gateway_status(target: str, timeout: float = 1.0) -> str:
-    """SERVING / NOT_SERVING / UNREACHABLE of the gateway's grpc.health.v1 service."""
+def gateway_status(
+    target: str, timeout: float = 1.0, metadata: tuple[tuple[str, str], ...] = ()
+) -> str:
+    """SERVING / NOT_SERVING / UNREACHABLE of the gateway's grpc.health.v1 service
+    (``metadata``: a bearer token, for a gateway with ``auth.protect_health``)."""
     try:
         with grpc.insecure_channel(target) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout, metadata=metadata
             )
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
     except grpc.RpcError:
@@ -124,7 +155,9 @@ def read_rows(cfg: ClientConfig) -> Rows:
 
 def score_rows(cfg: ClientConfig, rows: Rows) -> Iterable[str]:
     """``index<TAB>probability[<TAB>label=y]`` per row, ``cfg.batch`` rows per request."""
-    client = RankerClient(cfg.target, cfg.timeout_s)
+    client = RankerClient(
+        cfg.target, cfg.timeout_s, client_token(cfg.token_file), channel_credentials(cfg)
+    )
     try:
         for lo in range(0, len(rows.dense), cfg.batch):
             hi = min(lo + cfg.batch, len(rows.dense))
@@ -147,6 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for line in score_rows(cfg, rows):
             print(line)
+    except (AuthError, OSError, ValueError) as e:  # token or TLS files
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]
         return 1

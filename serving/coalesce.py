@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from serving import metrics
+
 logger = logging.getLogger("serving.coalesce")
 Arrays = tuple[
     np.ndarray, np.ndarray, np.ndarray
@@ -157,6 +159,7 @@ class Coalescer:
             self.stats.calls += 1
             self.stats.requests += len(batch)
             self.stats.largest = max(self.stats.largest, sum(sizes))
+            metrics.backend_call(len(batch), sum(sizes))
             try:
                 scores, backend = await self.send(merge([m.arrays for m in batch]), remaining)
             except Exception as e:  # every member gets the backend's error

@@ -16,6 +16,9 @@ from serving.validate import Limits
 
 GATEWAY_PORT_ENV = "RECSYS_GATEWAY_PORT"
 GATEWAY_PORT = 50051
+TOKEN_FILE_ENV = "RECSYS_GATEWAY_TOKEN_FILE"
+TOKEN_FILE_NAME = "gateway_token"  # in the supervisor's workdir (runs/serve by default)
+METRICS_PORT = 9464  # the OpenTelemetry Prometheus exporter's customary port
 
 
 @dataclass
@@ -32,6 +35,53 @@ class CoalesceConfig:
     def __post_init__(self) -> None:
         if self.max_examples < 1 or self.calls_per_backend < 1:
             raise ValueError("coalesce.max_examples and coalesce.calls_per_backend must be >= 1")
+
+
+@dataclass
+class AuthConfig:
+    """Bearer tokens on every gateway service (serving/auth.py)."""
+
+    token_file: str = env_field(TOKEN_FILE_ENV, "")
+    """File of accepted tokens, one per line (``#`` comments and blank lines ignored), re-read
+    when it changes; calls must carry ``authorization: Bearer <token>``. Empty = no
+    authentication (refused on a non-loopback host unless ``allow_unauthenticated``)."""
+    allow_unauthenticated: bool = False
+    """Serve a non-loopback host without a token file (anyone reaching the port can score)."""
+    protect_health: bool = False
+    """Require a token for ``grpc.health.v1`` too (off: probes need no secret). Reflection
+    always requires one when a token file is set (it describes the services)."""
+
+
+@dataclass
+class TlsConfig:
+    """TLS on the gateway's port; all empty = plaintext."""
+
+    cert: str = env_field("RECSYS_GATEWAY_TLS_CERT", "")
+    """Server certificate chain (PEM); with ``key``, turns TLS on."""
+    key: str = env_field("RECSYS_GATEWAY_TLS_KEY", "")
+    """Private key of ``cert`` (PEM)."""
+    client_ca: str = env_field("RECSYS_GATEWAY_TLS_CLIENT_CA", "")
+    """CA bundle (PEM) that client certificates must chain to: mutual TLS, a client without
+    one is refused during the handshake. Empty = server-side TLS only."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert or self.key)
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key) or (self.client_ca and not self.cert):
+            raise ValueError("tls: set cert and key together (client_ca needs them too)")
+
+
+@dataclass
+class MetricsConfig:
+    """The gateway's Prometheus endpoint (serving/metrics.py)."""
+
+    port: int = env_field("RECSYS_GATEWAY_METRICS_PORT", METRICS_PORT)
+    """Port of ``GET /metrics`` (Prometheus text format); 0 = no endpoint. A port already in
+    use is logged as an error and the gateway serves without the endpoint."""
+    host: str = env_field("RECSYS_GATEWAY_METRICS_HOST", "")
+    """Bind address of the endpoint; empty = the gateway's own ``host``."""
 
 
 @dataclass
@@ -60,6 +110,12 @@ class GatewayConfig:
     """What one request may carry (larger ones are INVALID_ARGUMENT)."""
     coalesce: CoalesceConfig = field(default_factory=CoalesceConfig)
     """Adaptive merging of concurrent requests into TorchServe calls."""
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    """Who may call (bearer tokens); health open by default."""
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    """TLS and mutual TLS on the gateway's port."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Prometheus metrics endpoint."""
     log_level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
     """DEBUG also logs every TorchServe call with its request and example counts."""
 
@@ -95,6 +151,15 @@ class ClientConfig:
     """The gateway's port."""
     timeout_s: float = 5.0
     """Deadline of each call."""
+    token_file: str = env_field(TOKEN_FILE_ENV, "")
+    """The gateway's token file; empty = ``$RECSYS_SERVE_DIR/gateway_token`` (default
+    ``runs/serve/gateway_token``, written by ``make serve``) when it exists, else no token."""
+    tls_ca: str = ""
+    """CA (PEM) to verify a TLS gateway with; empty = plaintext unless ``tls_cert`` is set."""
+    tls_cert: str = ""
+    """Client certificate (PEM) for a gateway with mutual TLS; needs ``tls_key``."""
+    tls_key: str = ""
+    """Private key of ``tls_cert``."""
 
     @property
     def target(self) -> str:

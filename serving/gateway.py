@@ -22,7 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from recsys_stack.config import ConfigError, parse
-from serving import kserve
+from serving import kserve, metrics
+from serving.auth import AuthError, check_exposure, server_credentials
+from serving.auth import interceptors as auth_interceptors
 from serving.backends import BackendError, BackendPool
 from serving.coalesce import Arrays, Coalescer, Expired, ScoreCountError
 from serving.codec import CodecError, decode_response, encode_request
@@ -68,9 +70,11 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
                 f"model_version '{version}' is not served here (this gateway serves "
                 f"{self.schema.model_name} v{self.schema.model_version})",
             )
+        metrics.examples(arrays[0].shape[0])
         try:
             if self.coalescer is not None:
                 return await self.coalescer.score(arrays, time_remaining)
+            metrics.backend_call(1, arrays[0].shape[0])
             return await self._send(arrays, time_remaining)
         except BackendError as e:
             raise ScoreError(e.code, e.message) from e
@@ -89,6 +93,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         try:
             arrays = validate(request, self.schema, self.cfg.limits, request.ByteSize())
         except InvalidRequest as e:
+            metrics.rejected("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         version = request.model_version or self.schema.model_version
         try:
@@ -137,8 +142,20 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         cfg.deadline_s,
         options,
     )
-    server = grpc.aio.server(options=options)
+    check_exposure(cfg.host, cfg.auth)
+    credentials = server_credentials(cfg.tls)
+    m = metrics.configure(cfg.limits.max_examples, cfg.coalesce.max_examples)
+    m.model.labels(schema.model_name, schema.model_version).set(1)
+    m.track_backends(pool.backends)
+    # metrics outermost: refused calls are counted with their code too
+    server = grpc.aio.server(
+        options=options,
+        interceptors=[metrics.MetricsInterceptor(m), *auth_interceptors(cfg.auth)],
+    )
     ranker = Ranker(cfg, schema, pool)
+    if ranker.coalescer is not None:
+        coalescer = ranker.coalescer
+        m.track_in_flight(lambda: coalescer.in_flight)
     ranker_pb2_grpc.add_RankerServicer_to_server(ranker, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -151,12 +168,19 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         reflection_pb2.DESCRIPTOR,
     )  # fmt: skip
     reflection.enable_server_reflection(names, server, pool=descriptors)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    address = f"{cfg.host}:{cfg.port}"
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     await server.start()
+    metrics_server = metrics.start_server(m, cfg.metrics.host or cfg.host, cfg.metrics.port)
     logger.info(
-        "gateway on %s:%d -> TorchServe %s, model %s v%s",
+        "gateway on %s:%d (%s, %s) -> TorchServe %s, model %s v%s",
         cfg.host,
         port,
+        "mutual TLS" if cfg.tls.client_ca else "TLS" if credentials else "plaintext",
+        f"tokens of {cfg.auth.token_file}" if cfg.auth.token_file else "no authentication",
         cfg.backend,
         schema.model_name,
         schema.model_version,
@@ -175,6 +199,8 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(cfg.grace_s)
     await pool.close()
+    if metrics_server is not None:
+        metrics_server.close()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
@@ -192,7 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         Schema.load(cfg.schema)
         for path in cfg.key_files():
             read_keys(path)
-    except (ConfigError, OSError, KeyError, ValueError, KeyFileError) as e:
+        check_exposure(cfg.host, cfg.auth)
+        auth_interceptors(cfg.auth)  # the token file is readable
+        server_credentials(cfg.tls)  # the PEM files are
+    except (ConfigError, OSError, KeyError, ValueError, KeyFileError, AuthError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     asyncio.run(serve(cfg))

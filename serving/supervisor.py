@@ -7,8 +7,10 @@ stopping what it started). ``stop`` ends both (the gateway first, gracefully); `
 reports them. What ``start`` launched (pids, resolved configs) is recorded in
 ``<workdir>/serve.json``, so ``stop`` and ``status`` need nothing but the workdir.
 
-The gateway's ``backend`` and ``key_file`` are set from the TorchServe started here; every other
-key of the ``[gateway]`` and ``[torchserve]`` sections applies as in their own commands.
+The gateway's ``backend`` and ``key_file`` are set from the TorchServe started here, and its
+``auth.token_file`` defaults to ``<workdir>/gateway_token`` (created with a random token, mode
+0600, kept across restarts and by ``stop``: ``make score`` and the load test read it); every
+other key of the ``[gateway]`` and ``[torchserve]`` sections applies as in their own commands.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from recsys_stack.config import (
     from_args,
     to_dict,
 )
+from serving.auth import AuthError, call_metadata, client_token, write_token_file
 from serving.client import gateway_status
-from serving.config import GatewayConfig
+from serving.config import TOKEN_FILE_NAME, GatewayConfig
 from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig, resolve_model
 from serving.validate import Schema
@@ -58,7 +61,8 @@ class ServeConfig:
     torchserve: TorchServeConfig = field(default_factory=TorchServeConfig)
     """The TorchServe instance (model name/version default to the schema's)."""
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    """The gateway in front of it (backend and key_file are set from [torchserve])."""
+    """The gateway in front of it (backend and key_file are set from [torchserve]; its
+    auth.token_file defaults to ``<workdir>/gateway_token``, created mode 0600 if missing)."""
 
 
 class AlreadyRunning(RuntimeError):
@@ -96,16 +100,29 @@ def local_target(cfg: GatewayConfig) -> str:
     return f"{host}:{cfg.port}"
 
 
-def wait_serving(target: str, proc: subprocess.Popen[bytes], timeout: float) -> float:
+def wait_serving(
+    target: str,
+    proc: subprocess.Popen[bytes],
+    timeout: float,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> float:
     """Block until the gateway at ``target`` is SERVING; returns the seconds waited."""
     t0 = time.monotonic()
-    while gateway_status(target) != "SERVING":
+    while gateway_status(target, metadata=metadata) != "SERVING":
         if proc.poll() is not None:
             raise RuntimeError(f"the gateway exited with code {proc.returncode}")
         if time.monotonic() - t0 > timeout:
             raise RuntimeError(f"the gateway at {target} was not SERVING after {timeout:.0f}s")
         time.sleep(0.3)
     return time.monotonic() - t0
+
+
+def gateway_token_file(cfg: ServeConfig) -> Path:
+    """``gateway.auth.token_file`` or ``<workdir>/gateway_token``, created (one random token,
+    mode 0600) if missing; an existing file is kept, so clients holding its token keep working."""
+    path = Path(cfg.gateway.auth.token_file or cfg.workdir / TOKEN_FILE_NAME).resolve()
+    write_token_file(path)
+    return path
 
 
 # --- state ---------------------------------------------------------------------------------------
@@ -164,15 +181,18 @@ def start(cfg: ServeConfig) -> str:
         proc = process.start(ts)
         _write_state(cfg.workdir, torchserve_pid=proc.pid, torchserve=to_dict(ts))
         process.wait_ready(ts, cfg.timeout_s, proc)
+        token_file = gateway_token_file(cfg)
         gw = dataclasses.replace(
             cfg.gateway,
             schema=cfg.gateway.schema.resolve(),
             backend=ts.grpc_inference_target,
             key_file=str(ts.key_file.resolve()),
+            auth=dataclasses.replace(cfg.gateway.auth, token_file=str(token_file)),
         )
         gateway = launch_gateway(gw, cfg.workdir / GATEWAY_LOG)
         _write_state(cfg.workdir, gateway_pid=gateway.pid, gateway=to_dict(gw))
-        wait_serving(local_target(gw), gateway, cfg.timeout_s)
+        token = call_metadata(client_token(str(token_file)))
+        wait_serving(local_target(gw), gateway, cfg.timeout_s, token)
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         stop(cfg.workdir)
         raise RuntimeError(f"{e}\n(logs: {cfg.workdir}, {ts.workdir})") from None
@@ -214,8 +234,13 @@ def status(workdir: Path) -> tuple[int, str]:
         ok &= n > 0
         lines.append(f"torchserve {ts.model_name}/{ts.model_version}: {n} READY workers")
     if "gateway" in state:
-        target = local_target(build(GatewayConfig, state["gateway"]))
-        health = gateway_status(target) if "gateway" in alive else "STOPPED"
+        gw = build(GatewayConfig, state["gateway"])
+        target = local_target(gw)
+        try:  # health is open by default; a token only matters with auth.protect_health
+            token = call_metadata(client_token(gw.auth.token_file)) if gw.auth.token_file else ()
+        except AuthError:
+            token = ()
+        health = gateway_status(target, metadata=token) if "gateway" in alive else "STOPPED"
         ok &= health == "SERVING"
         lines.append(f"gateway {target}: {health}")
     return (0 if ok else 2), "\n".join(lines)

@@ -37,6 +37,11 @@ MADE_BY_MAKE = {
     "reports": "make loadtest (and locust-master)",
 }
 LOCUST_MASTER_PORT = 5557  # Locust's own default (its --help says so; checked below)
+PROMETHEUS_PORT = 9090  # Prometheus's own default (its --help says so; checked below)
+PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus.yml"
+# Images pulled, not built: pinned to a version (the same as Debian's /usr/bin/prometheus,
+# whose --help checks the service's flags)
+EXTERNAL_IMAGES = {"prometheus": "prom/prometheus:v2.42.0"}
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.I)
 
 
@@ -99,6 +104,9 @@ def test_dockerfiles_and_targets_exist() -> None:
     built = 0
     for name, svc in services().items():
         build = svc.get("build")
+        if name in EXTERNAL_IMAGES:
+            assert build is None and svc["image"] == EXTERNAL_IMAGES[name], name
+            continue
         if build is None:
             image = svc["image"]
             assert any(s.get("image") == image and "build" in s for s in services().values()), (
@@ -149,7 +157,50 @@ def test_torchserve_replicas_have_their_own_key_file_and_gateway_lists_them() ->
     backends = argv[argv.index("--backend") + 1].split(",")
     keys = argv[argv.index("--key-file") + 1].split(",")
     assert [b.split(":")[0] for b in backends] == replicas
-    assert keys == [f"{w}/key_file.json" for w in workdirs]
+    # the gateway reads each replica's inference-only copy, never its full key_file.json
+    shared = [svcs[n]["environment"]["RECSYS_TS_INFERENCE_KEY_FILE"] for n in replicas]
+    assert keys == shared and not any(k.startswith(tuple(workdirs)) for k in keys)
+    mounts = [v.split(":") for v in gateway["volumes"]]  # source:target[:ro], as 1.29 prints
+    assert "ts-state" not in [m[0] for m in mounts], "the gateway would hold management keys"
+    assert all(m[-1] == "ro" for m in mounts), f"the gateway writes nothing: {mounts}"
+
+
+def port_mapping(p: dict | str) -> tuple[str, int, int]:
+    """(host address, published, target) of a ``ports`` entry as Compose 1.29 prints it: a
+    mapping, or ``"ADDR:PUBLISHED:TARGET"`` when an address is given."""
+    if isinstance(p, str):
+        addr, published, target = p.rsplit(":", 2)
+        return addr, int(published), int(target.split("/")[0])
+    return p.get("host_ip", ""), int(p["published"]), int(p["target"])
+
+
+def test_gateway_has_a_token_and_is_published_on_loopback() -> None:
+    svcs = services()
+    gateway = svcs["gateway"]
+    token_file = gateway["environment"]["RECSYS_GATEWAY_TOKEN_FILE"]
+    assert gateway["depends_on"]["gateway-token"]["condition"] == "service_completed_successfully"
+    maker = shlex.split(command_lines(svcs["gateway-token"]["command"])[0])
+    assert maker[:3] == ["python", "-m", "serving.auth"]
+    assert token_file == f"/app/{maker[3]}"  # the file the init step makes (WORKDIR /app)
+    for name, svc in svcs.items():
+        for p in svc.get("ports", []):
+            assert port_mapping(p)[0] == "127.0.0.1", f"{name}: {p} is published on every address"
+
+
+def test_prometheus_scrapes_the_gateway_and_every_torchserve() -> None:
+    svcs = services()
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    jobs = {
+        j["job_name"]: [t for sc in j["static_configs"] for t in sc["targets"]]
+        for j in config["scrape_configs"]
+    }
+    ports = port_defaults()
+    assert jobs["gateway"] == [f"gateway:{ports['RECSYS_GATEWAY_METRICS_PORT']}"]
+    replicas = sorted(n for n in svcs if re.fullmatch(r"torchserve-\d+", n))
+    assert jobs["torchserve"] == [f"{n}:{ports['RECSYS_TS_METRICS_PORT']}" for n in replicas]
+    assert str(ports["RECSYS_GATEWAY_METRICS_PORT"]) in svcs["gateway"]["expose"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in svcs["prometheus"]["volumes"]}
+    assert mounts["/etc/prometheus/prometheus.yml"] == str(PROMETHEUS_CONFIG)
 
 
 # --- commands: modules, scripts, flags --------------------------------------------------------
@@ -178,6 +229,8 @@ def invocations() -> list[tuple[str, list[str], list[str]]]:
                 argv = argv[1:]
             if argv[0] == "mkdir":
                 continue
+            if name in EXTERNAL_IMAGES:  # the image's entrypoint takes the command as flags
+                argv = [name, *argv]
             if argv[0] == "torchrun":
                 i = argv.index("-m")
                 out.append((name, ["torchrun"], flags(argv[1:i])))
@@ -222,7 +275,7 @@ def test_modules_and_scripts_are_entry_points() -> None:
         elif prog[0].endswith(".py"):
             assert (ROOT / prog[0]).is_file(), f"{name}: {prog[0]} missing"
         else:
-            assert prog[0] in ("torchrun", "locust"), f"{name}: unexpected program {prog[0]}"
+            assert prog[0] in ("torchrun", "locust", "prometheus"), f"{name}: {prog[0]}?"
 
 
 def test_every_flag_is_in_the_programs_help() -> None:
@@ -262,16 +315,19 @@ def test_port_variables_and_defaults_match_the_code() -> None:
 
 def test_published_and_exposed_ports_are_the_defaults() -> None:
     assert f"Defaults to {LOCUST_MASTER_PORT}" in help_text(("locust",))
-    known = {*port_defaults().values(), LOCUST_MASTER_PORT}
+    assert f"0.0.0.0:{PROMETHEUS_PORT}" in help_text(("prometheus",))
+    known = {*port_defaults().values(), LOCUST_MASTER_PORT, PROMETHEUS_PORT}
     published = []
     for name, svc in services().items():
         for p in svc.get("ports", []):
-            assert int(p["target"]) in known, f"{name}: port {p}"
-            assert int(p["published"]) == int(p["target"]), f"{name}: port {p}"
-            published.append(int(p["target"]))
+            _, outside, target = port_mapping(p)
+            assert target in known, f"{name}: port {p}"
+            assert outside == target, f"{name}: port {p}"
+            published.append(target)
         for p in svc.get("expose", []):
             assert int(p) in known, f"{name}: exposed {p}"
-    assert published == [port_defaults()["RECSYS_GATEWAY_PORT"]]  # the gateway is the public face
+    # the gateway is the public face; Prometheus's UI is on loopback too
+    assert published == [port_defaults()["RECSYS_GATEWAY_PORT"], PROMETHEUS_PORT]
 
 
 def test_environment_names_are_read_by_the_code_and_hold_no_secret() -> None:

@@ -1,0 +1,240 @@
+"""The gateway's Prometheus metrics: ``GET http://<host>:<metrics.port>/metrics``.
+
+One :class:`GatewayMetrics` per gateway process (:func:`configure` makes it, ``serve()``
+calls it); the hot path calls the module functions below, which do nothing before
+:func:`configure` (unit tests of the coalescer or the pool need no registry). Label children
+are made once, so a call costs a dict lookup and an observe.
+
+Exported (prefix ``recsys_gateway_``):
+
+- ``requests_total{method,code}``, ``request_seconds{method}``: every unary call, counted by
+  :class:`MetricsInterceptor` with the status code it ended with (UNAUTHENTICATED included).
+- ``in_flight_requests``: unary calls being served now.
+- ``examples_per_request``: examples in each valid ``Score`` request.
+- ``backend_call_examples``, ``backend_call_requests``: size of each TorchServe call after
+  coalescing (examples, and requests merged into it); ``backend_calls_in_flight``.
+- ``rejections_total{reason}``: calls refused before scoring (invalid, unauthenticated, and the
+  admission control's reasons).
+- ``backend_healthy{backend}`` (1/0, read at scrape time), ``backend_failovers_total{backend}``:
+  calls that failed on a backend as an outage (it left rotation; retried on another if any).
+- ``model_info{model_name,model_version}``: the served model (always 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+logger = logging.getLogger("serving.metrics")
+PREFIX = "recsys_gateway"
+REJECTION_REASONS = ("invalid", "unauthenticated", "overload", "deadline")
+
+
+def size_buckets(largest: int) -> list[float]:
+    """1, 2, 4, ... up to the first power of two >= ``largest`` (at least [1])."""
+    out, b = [1.0], 1
+    while b < largest:
+        b *= 2
+        out.append(float(b))
+    return out
+
+
+class GatewayMetrics:
+    """The metric objects of one gateway, in their own registry."""
+
+    def __init__(self, max_request_examples: int, max_call_examples: int) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            f"{PREFIX}_requests", "gRPC calls by method and status code", ["method", "code"],
+            registry=r,
+        )  # fmt: skip
+        self.latency = Histogram(
+            f"{PREFIX}_request_seconds", "gRPC call latency in the gateway", ["method"],
+            registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "calls being served", registry=r)
+        self.examples = Histogram(
+            f"{PREFIX}_examples_per_request", "examples in each valid Score request",
+            buckets=size_buckets(max_request_examples), registry=r,
+        )  # fmt: skip
+        call_buckets = size_buckets(max(max_call_examples, max_request_examples))
+        self.call_examples = Histogram(
+            f"{PREFIX}_backend_call_examples", "examples in each TorchServe call (coalesced)",
+            buckets=call_buckets, registry=r,
+        )  # fmt: skip
+        self.call_requests = Histogram(
+            f"{PREFIX}_backend_call_requests", "requests merged into each TorchServe call",
+            buckets=call_buckets, registry=r,
+        )  # fmt: skip
+        self.backend_in_flight = Gauge(
+            f"{PREFIX}_backend_calls_in_flight", "TorchServe calls in flight", registry=r
+        )
+        rejections = Counter(
+            f"{PREFIX}_rejections", "calls refused before scoring, by reason", ["reason"],
+            registry=r,
+        )  # fmt: skip
+        self.rejections = {k: rejections.labels(k) for k in REJECTION_REASONS}
+        self.healthy = Gauge(
+            f"{PREFIX}_backend_healthy", "1 while a TorchServe backend is in rotation",
+            ["backend"], registry=r,
+        )  # fmt: skip
+        self._failovers = Counter(
+            f"{PREFIX}_backend_failovers", "backend calls failed as an outage (then retried "
+            "on another backend if any)", ["backend"], registry=r,
+        )  # fmt: skip
+        self.failovers: dict[str, Any] = {}
+        self.model = Gauge(
+            f"{PREFIX}_model_info", "the served model", ["model_name", "model_version"],
+            registry=r,
+        )  # fmt: skip
+
+    def track_backends(self, backends: Iterable[Any]) -> None:
+        """``backend_healthy`` read from each backend's ``healthy`` at scrape time."""
+        for b in backends:
+            self.healthy.labels(b.target).set_function(functools.partial(_healthy, b))
+            self.failovers[b.target] = self._failovers.labels(b.target)
+
+    def track_in_flight(self, calls: Callable[[], int]) -> None:
+        """``backend_calls_in_flight`` read from ``calls()`` at scrape time."""
+        self.backend_in_flight.set_function(lambda: float(calls()))
+
+
+def _healthy(backend: Any) -> float:
+    return float(backend.healthy)
+
+
+_current: GatewayMetrics | None = None
+
+
+def configure(max_request_examples: int, max_call_examples: int) -> GatewayMetrics:
+    """Make this process's metrics (a new registry; the hot-path functions use it)."""
+    global _current
+    _current = GatewayMetrics(max_request_examples, max_call_examples)
+    return _current
+
+
+# --- hot-path calls (no-ops before configure) ------------------------------------------------
+
+
+def examples(n: int) -> None:
+    """A valid Score request of ``n`` examples."""
+    if _current is not None:
+        _current.examples.observe(n)
+
+
+def backend_call(requests: int, n_examples: int) -> None:
+    """A TorchServe call carrying ``requests`` merged requests, ``n_examples`` examples."""
+    if _current is not None:
+        _current.call_requests.observe(requests)
+        _current.call_examples.observe(n_examples)
+
+
+def rejected(reason: str) -> None:
+    """A call refused before scoring; ``reason`` one of :data:`REJECTION_REASONS`."""
+    if _current is not None:
+        _current.rejections[reason].inc()
+
+
+def failover(backend: str) -> None:
+    """A call on ``backend`` failed as an outage (the backend leaves rotation)."""
+    if _current is not None and backend in _current.failovers:
+        _current.failovers[backend].inc()
+
+
+# --- the gRPC side ---------------------------------------------------------------------------
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Counts unary calls by method and final code and times them (streams pass untouched).
+
+    Wrapped handlers are cached per handler object: per call, one dict lookup, a gauge inc/dec,
+    an observe and a counter inc on label children made once."""
+
+    def __init__(self, m: GatewayMetrics) -> None:
+        self.m = m
+        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        hit = self._wrapped.get(id(handler))
+        if hit is None or hit[0] is not handler:
+            hit = self._wrapped[id(handler)] = (handler, self._wrap(details.method, handler))
+        return hit[1]
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        inner = handler.unary_unary
+        latency = self.m.latency.labels(method)
+        in_flight = self.m.in_flight
+        by_code = {c: self.m.requests.labels(method, c.name) for c in grpc.StatusCode}
+
+        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            in_flight.inc()
+            code = grpc.StatusCode.UNKNOWN
+            try:
+                response = await inner(request, context)
+                code = context.code() or grpc.StatusCode.OK
+                return response
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except BaseException:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            finally:
+                in_flight.dec()
+                latency.observe(time.perf_counter() - t0)
+                by_code.get(code, by_code[grpc.StatusCode.UNKNOWN]).inc()
+
+        return grpc.unary_unary_rpc_method_handler(
+            behavior, handler.request_deserializer, handler.response_serializer
+        )
+
+
+class MetricsServer:
+    """``GET /metrics`` on a thread of its own (prometheus_client's WSGI server)."""
+
+    def __init__(self, m: GatewayMetrics, host: str, port: int) -> None:
+        self.server, self.thread = start_http_server(port, host, m.registry)
+        self.port = int(self.server.server_port)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def start_server(m: GatewayMetrics, host: str, port: int) -> MetricsServer | None:
+    """The endpoint on ``host:port``; None (and one error line) if it cannot bind, so that a
+    busy metrics port never takes the scoring service down."""
+    if port == 0:
+        return None
+    try:
+        server = MetricsServer(m, host, port)
+    except OSError as e:
+        logger.error(
+            "metrics endpoint %s:%d not started: %s (set metrics.port or "
+            "RECSYS_GATEWAY_METRICS_PORT; 0 = off)", host, port, e.strerror or e,
+        )  # fmt: skip
+        return None
+    logger.info("metrics on http://%s:%d/metrics", host, server.port)
+    return server
+
+
+__all__ = [
+    "GatewayMetrics", "MetricsInterceptor", "MetricsServer", "backend_call", "configure",
+    "examples", "failover", "rejected", "start_server",
+]  # fmt: skip

@@ -1,0 +1,313 @@
+"""Authentication and TLS on the real gateway (in front of the module's real TorchServe).
+
+Tokens: no token / a wrong token -> UNAUTHENTICATED on Score and reflection, health open, a
+token of the file scores, the file is re-read when it changes, ``serving.client`` finds the
+token through ``RECSYS_GATEWAY_TOKEN_FILE``. TLS and mutual TLS with a throwaway CA made by the
+``openssl`` CLI: TLS calls succeed, plaintext fails, mTLS without a client certificate fails.
+A non-loopback host without a token file refuses to start.
+"""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from serving.auth import (
+    AuthError,
+    TokenFile,
+    bearer_token,
+    check_exposure,
+    read_tokens,
+    write_token_file,
+)
+from serving.client import build_request
+from serving.config import AuthConfig, TlsConfig
+from serving.stubs import ranker_pb2_grpc
+from serving.torchserve.config import TorchServeConfig
+from tests.conftest import ROOT, _env
+from tests.stack import start_gateway, stop_gateway, wait_status
+
+pytestmark = pytest.mark.slow
+T1, T2, T3 = "token-one-" + "a" * 20, "token-two-" + "b" * 20, "token-three-" + "c" * 20
+
+
+# --- pure parts ------------------------------------------------------------------------------
+
+
+def test_token_file_parsing_and_errors(tmp_path: Path) -> None:
+    f = tmp_path / "tokens"
+    f.write_text(f"# comment\n\n{T1}\n  {T2}  \n")
+    assert read_tokens(f) == [T1, T2]
+    f.write_text("# only a comment\n")
+    with pytest.raises(AuthError, match="no token"):
+        read_tokens(f)
+    f.write_text("two words\n")
+    with pytest.raises(AuthError, match="token 1 has spaces"):
+        read_tokens(f)
+    with pytest.raises(AuthError, match="missing"):
+        read_tokens(tmp_path / "missing")
+
+
+def test_token_file_accepts_only_its_tokens_and_rereads(tmp_path: Path) -> None:
+    f = tmp_path / "tokens"
+    f.write_text(f"{T1}\n{T2}\n")
+    tokens = TokenFile(f, recheck_s=0.0)
+    assert tokens.accepts(T1.encode()) and tokens.accepts(T2.encode())
+    assert not tokens.accepts(T1[:-1].encode()) and not tokens.accepts(b"")
+    f.write_text(f"{T3}\n")
+    assert tokens.accepts(T3.encode()) and not tokens.accepts(T1.encode())
+    f.write_text("")  # a broken edit keeps the last good set
+    assert tokens.accepts(T3.encode())
+
+
+def test_bearer_token_parsing() -> None:
+    assert bearer_token((("authorization", "Bearer abc"),)) == b"abc"
+    assert bearer_token((("authorization", "bearer  abc "),)) == b"abc"
+    assert bearer_token((("authorization", "Basic abc"),)) is None
+    assert bearer_token((("x-other", "Bearer abc"),)) is None
+    assert bearer_token(None) is None
+
+
+def test_exposure_rule() -> None:
+    check_exposure("127.0.0.1", AuthConfig())
+    check_exposure("::1", AuthConfig())
+    check_exposure("0.0.0.0", AuthConfig(token_file="/some/file"))
+    check_exposure("0.0.0.0", AuthConfig(allow_unauthenticated=True))
+    with pytest.raises(AuthError, match="allow_unauthenticated"):
+        check_exposure("0.0.0.0", AuthConfig())
+
+
+def test_write_token_file_is_private_and_kept(tmp_path: Path) -> None:
+    f = tmp_path / "serve" / "gateway_token"
+    assert write_token_file(f)
+    assert stat.S_IMODE(f.stat().st_mode) == 0o600
+    token = read_tokens(f)
+    assert len(token) == 1 and len(token[0]) >= 32
+    assert not write_token_file(f) and read_tokens(f) == token
+
+
+def test_gateway_refuses_a_public_host_without_tokens(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    export, _, _ = exported
+    keys = tmp_path / "key_file.json"
+    keys.write_text('{"inference": {"key": "k"}, "management": {"key": "m"}}')
+    argv = [sys.executable, "-m", "serving.gateway", "--schema", str(export / "schema.json"),
+            "--key-file", str(keys), "--host", "0.0.0.0"]  # fmt: skip
+    proc = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "auth.allow_unauthenticated" in proc.stderr
+
+
+# --- a real gateway with tokens ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def token_gateway(
+    torchserve: tuple[TorchServeConfig, subprocess.Popen[bytes]],
+    exported: tuple[Path, Path, str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, Path]]:
+    export, _, _ = exported
+    cfg, _ = torchserve
+    work = tmp_path_factory.mktemp("auth")
+    tokens = work / "tokens"
+    tokens.write_text(f"{T1}\n{T2}\n")
+    gateway, target = start_gateway(
+        export / "schema.json", [cfg], work / "gateway.log",
+        auth=AuthConfig(token_file=str(tokens)),
+    )  # fmt: skip
+    try:
+        wait_status(target, "SERVING", 120)  # health needs no token
+        yield target, tokens
+    finally:
+        assert stop_gateway(gateway) == 0
+
+
+def _request(exported: tuple[Path, Path, str]) -> object:
+    s = np.load(exported[0] / "sample.npz")
+    from serving.codec import to_rows
+
+    return build_request(s["dense"][:3], to_rows(s["values"], s["lengths"])[:3])
+
+
+def _code(fn: object) -> str:
+    try:
+        fn()  # type: ignore[operator]
+        return "OK"
+    except grpc.RpcError as e:
+        return str(e.code().name)  # type: ignore[attr-defined]
+
+
+def test_tokens_on_score_health_and_reflection(
+    token_gateway: tuple[str, Path], exported: tuple[Path, Path, str]
+) -> None:
+    target, _ = token_gateway
+    request = _request(exported)
+    with grpc.insecure_channel(target) as ch:
+        stub = ranker_pb2_grpc.RankerStub(ch)
+
+        def score(token: str | None) -> str:
+            md = (("authorization", f"Bearer {token}"),) if token else ()
+            return _code(lambda: stub.Score(request, metadata=md, timeout=10))
+
+        assert score(None) == "UNAUTHENTICATED"
+        assert score("wrong") == "UNAUTHENTICATED"
+        assert score(T1[:-1]) == "UNAUTHENTICATED"
+        assert score(T1) == "OK" and score(T2) == "OK"
+        try:
+            stub.Score(request, timeout=10)
+        except grpc.RpcError as e:
+            assert "authorization: Bearer" in e.details()  # type: ignore[attr-defined]
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+
+        def list_services(md: tuple[tuple[str, str], ...]) -> str:
+            return _code(lambda: list(refl.ServerReflectionInfo(iter([ask]), metadata=md)))
+
+        assert list_services(()) == "UNAUTHENTICATED"
+        assert list_services((("authorization", f"Bearer {T1}"),)) == "OK"
+
+
+def test_token_file_is_reread_by_the_running_gateway(
+    token_gateway: tuple[str, Path], exported: tuple[Path, Path, str]
+) -> None:
+    target, tokens = token_gateway
+    request = _request(exported)
+    with grpc.insecure_channel(target) as ch:
+        stub = ranker_pb2_grpc.RankerStub(ch)
+
+        def score(token: str) -> str:
+            md = (("authorization", f"Bearer {token}"),)
+            return _code(lambda: stub.Score(request, metadata=md, timeout=10))
+
+        assert score(T3) == "UNAUTHENTICATED"
+        tokens.write_text(f"{T3}\n")
+        deadline = time.monotonic() + 10
+        while score(T3) != "OK":
+            assert time.monotonic() < deadline, "the new token was never accepted"
+            time.sleep(0.2)
+        assert score(T1) == "UNAUTHENTICATED"  # revoked
+        tokens.write_text(f"{T1}\n{T2}\n")
+
+
+def test_client_cli_reads_the_token_file(
+    token_gateway: tuple[str, Path], exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    target, tokens = token_gateway
+    time.sleep(1.5)  # the previous test's restore of the file is picked up
+    from tests.serving.test_supervisor import _tsv_rows
+
+    tsv = tmp_path / "rows.tsv"
+    tsv.write_text(_tsv_rows(np.load(exported[0] / "sample.npz"), 3))
+    port = target.rsplit(":", 1)[1]
+    argv = [sys.executable, "-m", "serving.client", "--data", str(tsv), "--rows", "3"]
+    env = _env({"RECSYS_GATEWAY_PORT": port, "RECSYS_SERVE_DIR": str(tmp_path / "none")})
+    env.pop("RECSYS_GATEWAY_TOKEN_FILE", None)
+    run = dict(cwd=ROOT, capture_output=True, text=True, timeout=60)
+    refused = subprocess.run(argv, env=env, **run)  # type: ignore[call-overload]
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+    ok = subprocess.run(argv, env={**env, "RECSYS_GATEWAY_TOKEN_FILE": str(tokens)}, **run)  # type: ignore[call-overload]
+    assert ok.returncode == 0, ok.stderr
+    assert len(ok.stdout.splitlines()) == 3
+
+
+# --- TLS and mutual TLS ------------------------------------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_certs(d: Path) -> dict[str, Path]:
+    """A throwaway CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
+    if shutil.which("openssl") is None:  # in every Debian/Ubuntu base image
+        pytest.fail("the openssl CLI is needed to make test certificates: apt-get install openssl")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+             "-subj", "/CN=recsys-test-ca", cwd=d)  # fmt: skip
+    (d / "server.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    for name in ("server", "client"):
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN=recsys-test-{name}", cwd=d)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
+                 "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
+    return {n: d / n for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+
+
+def _tls_channel(target: str, certs: dict[str, Path], client_cert: bool) -> grpc.Channel:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=certs["ca.pem"].read_bytes(),
+        private_key=certs["client.key"].read_bytes() if client_cert else None,
+        certificate_chain=certs["client.pem"].read_bytes() if client_cert else None,
+    )
+    return grpc.secure_channel(target, creds)
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mtls"])
+def test_tls_and_mutual_tls(
+    mutual: bool,
+    torchserve: tuple[TorchServeConfig, subprocess.Popen[bytes]],
+    exported: tuple[Path, Path, str],
+    tmp_path: Path,
+) -> None:
+    certs = make_certs(tmp_path)
+    export, _, _ = exported
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{T1}\n")
+    tls = TlsConfig(
+        cert=str(certs["server.pem"]), key=str(certs["server.key"]),
+        client_ca=str(certs["ca.pem"]) if mutual else "",
+    )  # fmt: skip
+    gateway, target = start_gateway(
+        export / "schema.json", [torchserve[0]], tmp_path / "gateway.log",
+        auth=AuthConfig(token_file=str(tokens)), tls=tls,
+    )  # fmt: skip
+    request, md = _request(exported), (("authorization", f"Bearer {T1}"),)
+    try:
+        deadline = time.monotonic() + 60
+        with _tls_channel(target, certs, client_cert=mutual) as ch:
+            stub = ranker_pb2_grpc.RankerStub(ch)
+            while (code := _code(lambda: stub.Score(request, metadata=md, timeout=10))) != "OK":
+                assert code == "UNAVAILABLE" and time.monotonic() < deadline, code
+                time.sleep(0.3)  # starting, or backends not probed yet
+            assert _code(lambda: stub.Score(request, timeout=10)) == "UNAUTHENTICATED"
+        with grpc.insecure_channel(target) as ch:  # plaintext to a TLS port
+            stub = ranker_pb2_grpc.RankerStub(ch)
+            assert _code(lambda: stub.Score(request, metadata=md, timeout=5)) == "UNAVAILABLE"
+        if mutual:  # TLS, but no client certificate
+            with _tls_channel(target, certs, client_cert=False) as ch:
+                stub = ranker_pb2_grpc.RankerStub(ch)
+                assert _code(lambda: stub.Score(request, metadata=md, timeout=5)) == "UNAVAILABLE"
+    finally:
+        assert stop_gateway(gateway) == 0
+
+
+def test_tls_files_that_are_not_pem_fail_with_one_line(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    export, _, _ = exported
+    keys = tmp_path / "key_file.json"
+    keys.write_text('{"inference": {"key": "k"}, "management": {"key": "m"}}')
+    (tmp_path / "cert.pem").write_text("not a certificate")
+    argv = [sys.executable, "-m", "serving.gateway", "--schema", str(export / "schema.json"),
+            "--key-file", str(keys), "--tls.cert", str(tmp_path / "cert.pem"),
+            "--tls.key", str(tmp_path / "cert.pem")]  # fmt: skip
+    proc = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "not a PEM file" in proc.stderr
