@@ -1,9 +1,11 @@
 """``make serve`` / ``make status`` / ``make score`` / ``make stop`` as a user runs them: the
-supervisor and the client as subprocesses, ports from the environment."""
+Makefile's own targets (RUN and SERVE_ARGS pointing at the test's export, state in a temp
+folder, ports from the environment)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,30 +22,33 @@ pytestmark = pytest.mark.slow
 PORT_VARS = ["INFERENCE", "MANAGEMENT", "METRICS", "GRPC_INFERENCE", "GRPC_MANAGEMENT"]
 
 
-def test_serve_status_score_stop(exported: tuple[Path, Path, str], tmp_path: Path) -> None:
+def test_make_serve_status_score_stop(exported: tuple[Path, Path, str], tmp_path: Path) -> None:
     export, store, _ = exported
+    make = shutil.which("make")
+    assert make, "make not found: `apt-get install make`"
     ports = free_ports(6)
     env = _env({f"RECSYS_TS_{n}_PORT": str(p) for n, p in zip(PORT_VARS, ports, strict=False)})
     env["RECSYS_GATEWAY_PORT"] = str(ports[5])
     env["RECSYS_SERVE_DIR"] = str(tmp_path / "serve")
-    supervisor = [sys.executable, "-m", "serving.supervisor"]
-    start = [*supervisor, "start", "--gateway.schema", str(export / "schema.json"),
-             "--torchserve.model-store", str(store)]  # fmt: skip
+    venv = Path(sys.executable).parent.parent
+    # RUN=<the run holding export/>; the venv is this one, never rebuilt here (-o: treat
+    # .installed as up to date even when a requirements file is newer)
+    common = [f"VENV={venv}", f"RUN={export.parent}",
+              f"SERVE_ARGS=--torchserve.model-store {store}"]  # fmt: skip
 
-    def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-        )
+    def run(target: str, *args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [make, "--no-print-directory", "-o", f"{venv}/.installed", target, *common, *args]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
-    started = run(*start)
+    keys = tmp_path / "serve" / "torchserve" / "key_file.json"  # follows RECSYS_SERVE_DIR
+    started = run("serve")
     try:
-        assert started.returncode == 0, started.stderr[-2000:]
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
         assert f"gateway 127.0.0.1:{ports[5]}" in started.stdout
-        keys = tmp_path / "serve" / "torchserve" / "key_file.json"  # follows RECSYS_SERVE_DIR
         assert keys.is_file()
-        again = run(*start)
-        assert again.returncode == 2 and "already running" in again.stderr
-        status = run(*supervisor, "status")
+        again = run("serve")
+        assert again.returncode != 0 and "already running" in again.stderr
+        status = run("status")
         assert status.returncode == 0, status.stdout + status.stderr
         cores = os.cpu_count() or 1  # default workers: one per core
         assert f"{cores} READY workers" in status.stdout and "SERVING" in status.stdout
@@ -51,15 +56,18 @@ def test_serve_status_score_stop(exported: tuple[Path, Path, str], tmp_path: Pat
         s = np.load(export / "sample.npz")
         tsv = tmp_path / "rows.tsv"
         tsv.write_text(_tsv_rows(s, 5))
-        scored = run(sys.executable, "-m", "serving.client", "--data", str(tsv), "--rows", "5")
+        scored = run("score", f"DATA={tsv}", "ROWS=5")
         assert scored.returncode == 0, scored.stderr
-        got = [float(line.split("\t")[1]) for line in scored.stdout.splitlines()]
+        got = [float(line.split("\t")[1]) for line in scored.stdout.splitlines()[-5:]]
         np.testing.assert_allclose(got, s["probs_int8"][:5], atol=1e-6)
     finally:
-        stopped = run(*supervisor, "stop")
-    assert stopped.returncode == 0 and "stopped gateway, torchserve" in stopped.stdout
+        stopped = run("stop")
+    out = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 0 and "stopped gateway, torchserve" in stopped.stdout, out
+    # "make stop leaves nothing running": no process names the state folder, no key is left
     assert not ours(tmp_path / "serve")
-    assert run(*supervisor, "status").returncode == 3  # not running
+    after = run("status")  # the supervisor's exit 3, "not running", through make
+    assert "not running" in after.stdout and "Error 3" in after.stderr, after
     assert not keys.exists()
 
 

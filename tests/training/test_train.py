@@ -71,12 +71,16 @@ def test_two_rank_run_learns_and_records(run_a: Path) -> None:
     assert losses[60] < losses[10]
 
 
-def test_resume_on_one_rank_with_another_plan_restores_state(
-    run_a: Path, tmp_path: Path, data_dirs: list[str]
-) -> None:
+@pytest.fixture(scope="module")
+def run_b(run_a: Path, tmp_path_factory: pytest.TempPathFactory, data_dirs: list[str]) -> Path:
+    """Run A's step 30 resumed on 1 process (PLAN_B) with zero further steps: the resumed
+    state saved as loaded, under the new plan."""
     src = run_a / "checkpoints" / "step_00000030"
-    # Zero further steps: the resumed state is saved as loaded, under the new plan.
-    run_b = _resume_on_one_rank(src, tmp_path / "b", data_dirs, max_steps=30)
+    return _resume_on_one_rank(src, tmp_path_factory.mktemp("run_b"), data_dirs, max_steps=30)
+
+
+def test_resume_on_one_rank_with_another_plan_restores_state(run_a: Path, run_b: Path) -> None:
+    src = run_a / "checkpoints" / "step_00000030"
     dst = run_b / "checkpoints" / "step_00000030"
     assert _plan(dst)["t_C1"]["sharding_type"] == "table_wise"
     saved, loaded = read_tensors(src), read_tensors(dst)
@@ -97,6 +101,27 @@ def test_resume_on_one_rank_with_another_plan_restores_state(
     assert dense and all(torch.equal(loaded[k], saved[k]) for k in dense)
     meta = json.loads((dst / "meta.json").read_text())
     assert meta["progress"]["step"] == 30 and meta["world_size"] == 1
+
+
+def test_resume_from_one_rank_on_two_ranks_restores_state(
+    run_b: Path, tmp_path: Path, data_dirs: list[str]
+) -> None:
+    # The other direction: a 1-process checkpoint (every table whole) resumed by 2 ranks that
+    # split C1 and C2 by columns; zero further steps, so the state is saved as loaded.
+    src = run_b / "checkpoints" / "step_00000030"
+    args = ["--run-dir", str(tmp_path), "--resume", str(src), *data_dirs, *PLAN_A]
+    run_train([*TINY, *args, "train.max_steps=30"], nproc=2)
+    dst = tmp_path / "checkpoints" / "step_00000030"
+    plan = _plan(dst)
+    assert plan["t_C1"]["sharding_type"] == "column_wise" and plan["t_C1"]["ranks"] == [0, 1]
+    saved, loaded = read_tensors(src), read_tensors(dst)
+    for key, value in saved.items():
+        if key.startswith("model."):
+            assert torch.equal(loaded[key], value), key  # weights bit-exact through resharding
+    key = f"{MOM}t_C3.weight.t_C3.momentum1"  # table-wise -> table-wise: accumulators exact
+    assert torch.equal(loaded[key], saved[key]), key
+    meta = json.loads((dst / "meta.json").read_text())
+    assert meta["progress"]["step"] == 30 and meta["world_size"] == 2
 
 
 def test_resumed_loss_continues_where_it_was(
@@ -165,5 +190,9 @@ def test_dcn_interaction_trains_on_one_process(tmp_path: Path, data_dirs: list[s
         nproc=0,
     )
     final = json.loads(proc.stdout.strip().splitlines()[-1])["final"]
-    assert final["step"] == 30 and 0.5 < final["auc"] <= 1.0
+    assert final["step"] == 30
+    # It learns the planted signal, like DLRM: most of the way to the Bayes limit (a DCN that
+    # trained nothing, or scored at random, sits near 0.5).
+    print(f"DCN AUC {final['auc']:.4f}, oracle {final['oracle_auc']:.4f}")
+    assert final["auc"] > 0.9 * final["oracle_auc"], final
     assert (tmp_path / "curves.png").stat().st_size > 10_000
