@@ -84,6 +84,11 @@ score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the synthetic set
 loadtest: setup  ## headless Locust against the gateway: USERS, SPAWN_RATE, DURATION, OUT; report + summary.json + PNG
 	$(PY) -m loadtest.run --users $(USERS) --spawn-rate $(SPAWN_RATE) --duration $(DURATION) --out $(OUT) $(LOADTEST_ARGS)
 
+.PHONY: chaos
+CHAOS_ARGS ?=
+chaos: setup  ## RUN's export on 2 replicas + gateway under Locust, a fault every 20 s for 2 min: OUT/report.json, chaos.png
+	$(PY) -m loadtest.chaos --gateway.schema $(RUN)/export/schema.json --out $(OUT) $(CHAOS_ARGS)
+
 .PHONY: evaluate
 evaluate: setup  ## score a labelled Criteo TSV (DATA) through the gateway [VERSION=]: AUC, NE, log loss, calibration -> OUT (JSON + PNG)
 	$(PY) -m serving.evaluate $(if $(DATA),--data $(DATA)) $(if $(VERSION),--version $(VERSION)) --out $(OUT) $(EVALUATE_ARGS)

@@ -31,16 +31,26 @@ def locust_env(cfg: LoadConfig, host: str) -> dict[str, str]:
 
 
 def run_locust(
-    cfg: LoadConfig, host: str, users: int, duration: str, out: Path, spawn_rate: float
+    cfg: LoadConfig,
+    host: str,
+    users: int,
+    duration: str,
+    out: Path,
+    spawn_rate: float,
+    locustfile: Path = LOCUSTFILE,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One headless Locust run into ``out`` (CSVs, HTML, locust.log) -> its summary numbers.
+
+    ``locustfile``: another user module (the chaos run's records each call); ``env``: extra
+    variables for the load processes.
 
     With ``cfg.processes > 1`` the summary also says how many workers the master saw
     (``workers``), read from its log.
     """
     out.mkdir(parents=True, exist_ok=True)
-    env = locust_env(cfg, host)
-    base = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE)]
+    env = {**locust_env(cfg, host), **(env or {})}
+    base = [sys.executable, "-m", "locust", "-f", str(locustfile)]
     cmd = [*base, "--loglevel", "INFO" if cfg.processes > 1 else "WARNING", "--headless",
            "--host", host, "-u", str(users), "-r", str(spawn_rate),
            "-t", duration, "--csv", str(out / "locust"), "--html", str(out / "report.html"),
