@@ -12,7 +12,8 @@ unmodified. The model takes the artifact's own tensors (``schema.json``, feature
 Tensors come as typed ``contents`` or ``raw_input_contents`` (little-endian, row-major); the
 reply uses the same form. A request is decoded here, then checked by
 :func:`serving.validate.validate_arrays` and scored by :meth:`Ranker.score_arrays`, like
-``Score``: the same limits, checks, coalescing, backends and status codes.
+``Score``: the same limits, checks, coalescing, backends, status codes and metrics (the auth and
+metrics interceptors cover every service).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
+from serving import metrics
 from serving.errors import ScoreError
 from serving.stubs import kserve_pb2, kserve_pb2_grpc
 from serving.validate import InvalidRequest, Schema, validate_arrays
@@ -215,6 +217,7 @@ class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc
                 field="dense (examples)",
             )
         except InvalidRequest as e:
+            metrics.rejected("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:  # the one scoring path (and version routing) of every API
             scores, backend = await self.ranker.score_arrays(

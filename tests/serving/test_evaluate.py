@@ -41,7 +41,7 @@ def gateway(
     then split, moving the AUC by up to 2e-4 (see README, make evaluate)."""
     proc, target = start_gateway(
         exported[0] / "schema.json", [torchserve[0]], tmp_path_factory.mktemp("gw") / "gw.log",
-        limits=Limits(max_examples=PARITY_ROWS),
+        limits=Limits(max_examples=PARITY_ROWS), deadline_s=10.0,  # 2,000 rows on a loaded box
     )  # fmt: skip
     try:
         wait_status(target, "SERVING", 120)

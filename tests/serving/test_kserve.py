@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,15 +17,30 @@ import pytest
 import tritonclient.grpc as triton
 from google.protobuf import descriptor_pool
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from recsys_stack.net import free_ports
 from serving import kserve
+from serving.config import AuthConfig, MetricsConfig
 from serving.stubs import kserve_pb2
 from serving.validate import InvalidRequest
-from tests.stack import Stack
+from tests.stack import Stack, running_stack, start_gateway, stop_gateway, wait_status
 
 B = 1000  # sample.npz's rows = the gateway's default max_examples
+
+
+@pytest.fixture(scope="module")
+def stack(
+    exported: tuple[Path, Path, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """The shared stack (tests/stack.py) with a 10 s backend deadline instead of 2 s: these
+    tests send the 1,000-row sample in one request, whose first forward (TorchScript profiles a
+    new batch size) missed 2 s on a 2-core machine at load 13."""
+    export, store, _ = exported
+    with running_stack(export, store, tmp_path_factory.mktemp("gw"), deadline_s=10.0) as st:
+        yield st
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +197,53 @@ def test_reflection_lists_the_kserve_service(stack: Stack) -> None:
     names = {s.name for s in replies[0].list_services_response.service}
     assert {kserve.SERVICE, "recsys.v1.Ranker"} <= names
     assert replies[1].file_descriptor_response.file_descriptor_proto  # describable (grpcurl)
+
+
+def test_no_token_is_unauthenticated_and_calls_are_counted(
+    stack: Stack, exported: tuple[Path, Path, str], served: tuple[str, str, str], tmp_path: Path
+) -> None:
+    # A second gateway with a token file and metrics in front of the module's TorchServe: the
+    # auth and metrics interceptors cover the KServe service like every other (health aside).
+    token = "kserve-token-" + "k" * 24
+    tokens = tmp_path / "tokens"
+    tokens.write_text(token + "\n")
+    metrics_port = free_ports(1)[0]
+    gateway, target = start_gateway(
+        exported[0] / "schema.json", [stack.cfg], tmp_path / "gateway.log",
+        auth=AuthConfig(token_file=str(tokens)), metrics=MetricsConfig(port=metrics_port),
+        deadline_s=stack.deadline_s,
+    )  # fmt: skip
+    client = triton.InferenceServerClient(target)
+    try:
+        wait_status(target, "SERVING", 120)  # health needs no token
+        for call in (client.is_server_live, lambda: client.is_model_ready(served[0]),
+                     lambda: client.infer(served[0], _inputs(stack.rows)),
+                     lambda: client.infer(served[0], _inputs(stack.rows),
+                                          headers={"authorization": "Bearer wrong"})):  # fmt: skip
+            with pytest.raises(InferenceServerException) as e:
+                call()
+            assert e.value.status() == "StatusCode.UNAUTHENTICATED"
+        good = {"authorization": f"Bearer {token}"}
+        assert client.is_server_live(headers=good)
+        scores = client.infer(served[0], _inputs(stack.rows), headers=good).as_numpy("scores")
+        np.testing.assert_allclose(scores, stack.rows[f"probs_{served[2]}"], atol=1e-6, rtol=0)
+        with pytest.raises(InferenceServerException):
+            client.infer(served[0], _inputs(stack.rows, dense=_nan(stack.rows["dense"])),
+                         headers=good)  # fmt: skip
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            families = text_string_to_metric_families(r.read().decode())
+        got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in families for s in f.samples}  # fmt: skip
+
+        def calls(code: str) -> float:
+            key = (("code", code), ("method", "/inference.GRPCInferenceService/ModelInfer"))
+            return got.get(("recsys_gateway_requests_total", key), 0.0)
+
+        assert (calls("UNAUTHENTICATED"), calls("OK"), calls("INVALID_ARGUMENT")) == (2, 1, 1)
+        assert got[("recsys_gateway_rejections_total", (("reason", "invalid"),))] == 1
+    finally:
+        client.close()
+        assert stop_gateway(gateway) == 0
 
 
 # --- in process: decoding, the form of the reply --------------------------------------------
