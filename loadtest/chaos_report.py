@@ -218,16 +218,16 @@ def plot(calls: Sequence[Call], report: dict[str, Any], t0: float, png: Path, ti
         ax.scatter(
             [c.end - t0 for c in group], [max(c.ms, 0.1) for c in group], label=label, **style
         )
-    for e in report["events"]:
+    for k, e in enumerate(report["events"]):  # labels staggered: faults can be close
         ax.axvline(e["t_s"], color="black", linestyle="--", linewidth=0.8)
-        ax.text(e["t_s"], 1.02, f"{e['fault']} {e['component']}", rotation=20, fontsize=7,
+        ax.text(e["t_s"], 1.01 + 0.05 * (k % 3), f"{e['fault']} {e['component']}", fontsize=7,
                 transform=ax.get_xaxis_transform())  # fmt: skip
         if e["ready_s"]:
             ax.axvspan(e["t_s"], e["t_s"] + e["ready_s"], color="orange", alpha=0.15)
     ax.set_yscale("log")
     ax.set_xlabel("seconds since the load started")
     ax.set_ylabel("latency (ms, log)")
-    ax.set_title(title, pad=28)
+    ax.set_title(title, pad=36)
     ax.legend(loc="upper right", fontsize=8, markerscale=3)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
