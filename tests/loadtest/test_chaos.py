@@ -18,14 +18,14 @@ ACCEPT = {"min_success_ratio": 0.99, "max_rotation_s": 3.0, "max_rss_growth": 0.
 
 
 def _calls() -> list[cr.Call]:
-    """10 s of calls every 0.1 s, 10 ms each; replica b (:2) out between 4 s and 6.5 s, with
-    two failures right after the fault at 4 s."""
+    """10 s of calls every 0.1 s, 10 ms each; replica b (:2) out between 4 s and 6.5 s; two
+    failures: one started before the fault at 4 s and ended after it (150 ms), one after."""
     calls = []
     for i in range(100):
         t = 100.0 + i * 0.1
         backend = ":1" if i % 2 or 4 <= t - 100 < 6.5 else ":2"
-        code = "UNAVAILABLE" if i in (40, 41) else "OK"
-        calls.append(cr.Call(t, 10.0, code, backend))
+        code = "UNAVAILABLE" if i in (39, 41) else "OK"
+        calls.append(cr.Call(t, 150.0 if i == 39 else 10.0, code, backend))
     return calls
 
 
@@ -44,9 +44,10 @@ def test_recovery_phases_and_verdict_from_records() -> None:
     assert ev[0]["failures_by_code"] == {"UNAVAILABLE": 2}
     assert ev[1]["rotation_s"] is None and ev[1]["recover_s"] == 0.0
     ph = cr.phases(calls, events, 100.0, calls[-1].end)
-    assert [p["requests"] for p in ph] == [40, 40, 20]  # by end time: 4.0 s ends in phase 1
+    # by end time: the call in flight at 4 s counts against the fault
+    assert [p["requests"] for p in ph] == [39, 41, 20]
     assert [p["failures"] for p in ph] == [0, 2, 0]
-    assert ph[1]["p50_ms"] == 10.0 and ph[1]["success_ratio"] == pytest.approx(38 / 40)
+    assert ph[1]["p50_ms"] == 10.0 and ph[1]["success_ratio"] == pytest.approx(39 / 41)
     report = {
         "overall": cr.stats(calls), "events": ev, "phases": ph, "skipped": [],
         "gateways": {"a": cr.rss_growth([(100.0, 100 * cr.MB), (101.0, 100 * cr.MB), (110.0, 104 * cr.MB)], 101.0)},
