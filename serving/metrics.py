@@ -155,7 +155,8 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Counts unary calls by method and final code and times them (streams pass untouched).
 
     Wrapped handlers are cached per handler object: per call, one dict lookup, a gauge inc/dec,
-    an observe and a counter inc on label children made once."""
+    an observe and a counter inc on label children made once (a code's on its first call, so
+    /metrics lists the codes that happened, not every code of every method)."""
 
     def __init__(self, m: GatewayMetrics) -> None:
         self.m = m
@@ -178,7 +179,8 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         inner = handler.unary_unary
         latency = self.m.latency.labels(method)
         in_flight = self.m.in_flight
-        by_code = {c: self.m.requests.labels(method, c.name) for c in grpc.StatusCode}
+        requests = self.m.requests
+        by_code = {grpc.StatusCode.OK: requests.labels(method, "OK")}  # others on first use
 
         async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
             t0 = time.perf_counter()
@@ -197,7 +199,11 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             finally:
                 in_flight.dec()
                 latency.observe(time.perf_counter() - t0)
-                by_code.get(code, by_code[grpc.StatusCode.UNKNOWN]).inc()
+                counter = by_code.get(code)
+                if counter is None:
+                    name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+                    counter = by_code[code] = requests.labels(method, name)
+                counter.inc()
 
         return grpc.unary_unary_rpc_method_handler(
             behavior, handler.request_deserializer, handler.response_serializer
