@@ -28,8 +28,9 @@ import numpy as np
 
 from recsys_stack.config import ConfigError, env_field, parse, to_dict
 from recsys_stack.progress import progress
+from serving.auth import AuthError, client_token
 from serving.client import RankerClient, Rows, build_request, parse_rows
-from serving.config import GATEWAY_PORT, GATEWAY_PORT_ENV
+from serving.config import GATEWAY_PORT, GATEWAY_PORT_ENV, TOKEN_FILE_ENV
 
 logger = logging.getLogger("serving.evaluate")
 EPS = 1e-7  # probabilities are clipped to [EPS, 1 - EPS] in log loss
@@ -61,6 +62,9 @@ class EvaluateConfig:
     """The gateway's port."""
     timeout_s: float = 30.0
     """Deadline of each request."""
+    token_file: str = env_field(TOKEN_FILE_ENV, "")
+    """The gateway's token file; empty = ``$RECSYS_SERVE_DIR/gateway_token`` (written by
+    ``make serve``, default ``runs/serve/gateway_token``) when it exists, else no token."""
     progress: bool = True
     """Show a progress bar (one line per interval when stderr is not a terminal)."""
 
@@ -170,7 +174,7 @@ def score_file(cfg: EvaluateConfig, path: Path) -> tuple[np.ndarray, np.ndarray]
     first, count = row_window(path, cfg.holdout, cfg.rows)
     logger.info("scoring rows %d..%d of %s through %s", first + 1, first + count, path,
                 f"{cfg.host}:{cfg.port}")  # fmt: skip
-    client = RankerClient(f"{cfg.host}:{cfg.port}", cfg.timeout_s)
+    client = RankerClient(f"{cfg.host}:{cfg.port}", cfg.timeout_s, client_token(cfg.token_file))
     labels: list[np.ndarray] = []
     scores: list[np.ndarray] = []
     bar = progress(total=count, desc="evaluate", unit="rows", disable=not cfg.progress)
@@ -253,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = cfg.out or Path("reports") / time.strftime("%Y%m%d-%H%M%S")
     try:
         report = evaluate(cfg, out)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, AuthError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:

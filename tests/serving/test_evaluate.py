@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 
 from serving import evaluate
+from serving.config import AuthConfig
 from serving.torchserve.config import TorchServeConfig
 from serving.validate import Limits
 from tests.conftest import ROOT
 from tests.stack import start_gateway, stop_gateway, wait_status
 
 PNG = b"\x89PNG\r\n\x1a\n"
+TOKEN = "evaluate-token-" + "e" * 24
 PARITY_ROWS = 2000  # the tiny run's held-out split: 10% of 20,000 synthetic rows
 
 
@@ -34,29 +36,39 @@ def synthetic_tsv(trained: Path, data_dirs: list[str]) -> Path:
 @pytest.fixture(scope="module")
 def gateway(
     torchserve: tuple[TorchServeConfig, Any], exported: tuple[Path, Path, str], tmp_path_factory
-) -> Iterator[str]:  # type: ignore[no-untyped-def]
+) -> Iterator[tuple[str, Path]]:  # type: ignore[no-untyped-def]
     """A gateway taking the 2,000 parity rows in one request, so that they are scored in one
     forward as the export scored them: float32 results differ in the last bit between batch
     sizes, and the tiny model's held-out rows hold groups of identical rows whose tied scores
-    then split, moving the AUC by up to 2e-4 (see README, make evaluate)."""
+    then split, moving the AUC by up to 2e-4 (see README, make evaluate). With a token file, as
+    ``make serve`` starts it; (target, token file)."""
+    work = tmp_path_factory.mktemp("gw")
+    tokens = work / "tokens"
+    tokens.write_text(TOKEN + "\n")
     proc, target = start_gateway(
-        exported[0] / "schema.json", [torchserve[0]], tmp_path_factory.mktemp("gw") / "gw.log",
+        exported[0] / "schema.json", [torchserve[0]], work / "gw.log",
         limits=Limits(max_examples=PARITY_ROWS), deadline_s=10.0,  # 2,000 rows on a loaded box
+        auth=AuthConfig(token_file=str(tokens)),
     )  # fmt: skip
     try:
         wait_status(target, "SERVING", 120)
-        yield target
+        yield target, tokens
     finally:
         assert stop_gateway(proc) == 0
 
 
-def _args(target: str, *more: str) -> list[str]:
-    host, port = target.rsplit(":", 1)
-    return ["--host", host, "--port", port, "--no-progress", *more]
+def _args(gateway: tuple[str, Path], *more: str) -> list[str]:
+    host, port = gateway[0].rsplit(":", 1)
+    return ["--host", host, "--port", port, "--token-file", str(gateway[1]), "--no-progress",
+            *more]  # fmt: skip
 
 
 def test_held_out_rows_give_the_parity_auc(
-    gateway: str, exported: tuple[Path, Path, str], synthetic_tsv: Path, tmp_path: Path, capsys
+    gateway: tuple[str, Path],
+    exported: tuple[Path, Path, str],
+    synthetic_tsv: Path,
+    tmp_path: Path,
+    capsys,
 ) -> None:  # type: ignore[no-untyped-def]
     export = exported[0]
     parity = json.loads((export / "parity.json").read_text())
@@ -77,7 +89,7 @@ def test_held_out_rows_give_the_parity_auc(
 
 
 def test_figures_match_the_exports_sample(
-    gateway: str, exported: tuple[Path, Path, str], synthetic_tsv: Path, tmp_path: Path
+    gateway: tuple[str, Path], exported: tuple[Path, Path, str], synthetic_tsv: Path, tmp_path: Path
 ) -> None:
     # The sample holds the first 1,000 parity rows with their labels and served probabilities:
     # every figure of the report, recomputed from them, must agree.
@@ -96,8 +108,8 @@ def test_figures_match_the_exports_sample(
     assert report["auc"] == pytest.approx(want["auc"], abs=5e-4)  # tied rows: see `gateway`
 
 
-def test_unlabelled_rows_and_a_missing_gateway_are_one_line_errors(
-    synthetic_tsv: Path, tmp_path: Path, capsys
+def test_unlabelled_rows_a_missing_gateway_and_no_token_are_one_line_errors(
+    gateway: tuple[str, Path], synthetic_tsv: Path, tmp_path: Path, capsys
 ) -> None:  # type: ignore[no-untyped-def]
     unlabelled = tmp_path / "rows.tsv"
     unlabelled.write_text("".join(line.split("\t", 1)[1] for line in _head(synthetic_tsv, 5)))
@@ -109,6 +121,12 @@ def test_unlabelled_rows_and_a_missing_gateway_are_one_line_errors(
     args = ["--data", str(labelled), "--port", "1", "--timeout-s", "2", "--no-progress"]
     assert evaluate.main(args) == 1
     assert capsys.readouterr().err.startswith("error: UNAVAILABLE")
+    wrong = tmp_path / "wrong_token"
+    wrong.write_text("not-the-token\n")
+    bad = _args(gateway, "--data", str(labelled), "--out", str(tmp_path / "r"))
+    bad[bad.index("--token-file") + 1] = str(wrong)
+    assert evaluate.main(bad) == 1
+    assert capsys.readouterr().err.startswith("error: UNAUTHENTICATED")
 
 
 def test_make_evaluate_passes_data_version_and_out() -> None:
