@@ -131,24 +131,27 @@ def test_torchserve_serves_the_portable_variant_when_configured(
 
 
 @pytest.mark.slow
-def test_gpu_check_runs_its_cpu_half_with_torch_alone(exported: tuple[Path, Path, str]) -> None:
+def test_make_gpu_check_runs_its_cpu_half_with_torch_alone(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
     export, _, _ = exported
-    blocked = textwrap.dedent(
-        """
-        import runpy, sys
-        for m in ("numpy", "fbgemm_gpu", "torchrec"):
-            sys.modules[m] = None  # importing any of them now fails
-        runpy.run_module("serving.gpu_check", run_name="__main__")
-        """
+    # numpy, fbgemm and torchrec made unimportable in the checker's interpreter from its start
+    (tmp_path / "sitecustomize.py").write_text(
+        "import pathlib, sys\nfor m in ('numpy', 'fbgemm_gpu', 'torchrec'):\n"
+        "    sys.modules[m] = None\n"
+        f"pathlib.Path({str(tmp_path / 'blocked')!r}).touch()\n"
     )
-    args = ["--export", str(export), "--iters", "3", "--batches", "[1, 64, 512]"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    args = "--iters 3 --batches '[1, 64, 512]'"
     proc = subprocess.run(
-        [sys.executable, "-c", blocked, *args], capture_output=True, text=True, cwd=ROOT,
-        timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        ["make", "--no-print-directory", "gpu-check", f"RUN={export.parent}",
+         f"GPU_CHECK_ARGS={args}"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = proc.stdout
     assert "CUDA is not available here: running the CPU half only" in out
+    assert (tmp_path / "blocked").exists()  # the checker ran with the three blocked
     for name in ("portable", "portable_fp16", "portable_pt2", "rebuilt"):
         assert f"ok   cpu {name} " in out, name
     assert "batch 512" in out and out.rstrip().endswith("gpu-check: ok")

@@ -166,3 +166,20 @@ def test_fresh_torch_only_process_reproduces_the_eager_probabilities(
         assert got["diff"][name][0] <= 1e-5, name
     assert got["diff"]["portable_fp16"][1] <= 1e-3
     assert 0 < got["diff"]["portable_fp16"][0] < 0.05  # really fp16: not bit-equal, still close
+
+
+def test_the_fastest_cpu_variant_is_a_torchscript_file_that_passed_parity() -> None:
+    from training.export.pipeline import fastest_cpu
+
+    def lat(ms: float) -> dict[str, dict[str, float]]:
+        return {"100": {"p50_ms": ms, "p99_ms": ms}}
+
+    files = {v: Path(f"model_{v}.pt") for v in ("fp32", "int8", "portable", "portable_fp16")}
+    files["portable_onnx"] = Path("model_portable.onnx")
+    latency = {"fp32": lat(3), "int8": lat(2), "portable": lat(1.5), "portable_fp16": lat(1),
+               "portable_onnx": lat(0.5)}  # fmt: skip
+    checks = [{"variant": v, "ok": v != "portable_fp16"} for v in files]
+    assert fastest_cpu(latency, files, {"checks": checks}) == "portable"  # not ONNX, not failed
+    assert fastest_cpu({}, files, {"checks": checks}) is None
+    with pytest.raises(ConfigError, match="cpu_variant = portable needs portable = true"):
+        ExportConfig(run_dir=Path("x"), portable=False, cpu_variant="portable").validate()

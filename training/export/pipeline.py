@@ -85,6 +85,9 @@ class ExportConfig:
     aoti: bool = False
     """AOTInductor-compile the .pt2 for this machine's device (C++ compile: ~1 min at the
     criteo-kaggle shape on 2 cores); needs portable."""
+    cpu_variant: Literal["quant", "fastest", "fp32", "portable", "portable_fp16"] = "quant"
+    """What CPU workers serve (the .mar's file): the quant variant, the fastest TorchScript
+    variant measured at batch 100 (among those passing parity), or a named one."""
     cuda_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
     """Precision a CUDA worker serves the portable scorer in (recorded in schema.json; the
     handler's RECSYS_CUDA_DTYPE overrides it)."""
@@ -96,6 +99,8 @@ class ExportConfig:
         """Raise ConfigError when the config names no checkpoint."""
         if self.run_dir is None and self.checkpoint is None:
             raise ConfigError("give --run-dir or --checkpoint (run_dir / checkpoint)")
+        if self.cpu_variant.startswith("portable") and not self.portable:
+            raise ConfigError(f"cpu_variant = {self.cpu_variant} needs portable = true")
         if self.aoti and not self.portable:
             raise ConfigError("aoti = true needs portable = true (it compiles the portable .pt2)")
         if self.cuda_int8:
@@ -279,6 +284,10 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
             logger.warning("parity failed (%s); exporting because --force", failed)
         parity["latency"] = latency_report({"eager": eager, **loaded}, arrays)
         fastest = fastest_cpu(parity["latency"], files, parity)
+        if ecfg.cpu_variant == "fastest" and fastest is not None:
+            served = fastest
+        elif ecfg.cpu_variant not in ("quant", "fastest"):
+            served = ecfg.cpu_variant
         (tmp / "parity.json").write_text(json.dumps(parity, indent=2))
         sample = arrays.rows(0, min(SAMPLE_ROWS, len(arrays)))
         dense, values, lengths = raw_inputs(sample.dense, sample.sparse)
@@ -299,9 +308,9 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
     mar = None
     if ecfg.archive:
         mar = archive(
-            final, f"model_{served}.pt", ecfg.handler,
+            final, files[served].name, ecfg.handler,
             [final / "schema.json", final / "parity.json"]
-            + [final / PORTABLE[v][0] for v in MAR_PORTABLE if v in files]
+            + [final / PORTABLE[v][0] for v in MAR_PORTABLE if v in files and v != served]
             + [ecfg.handler.parent / m for m in HANDLER_MODULES],
             ecfg.model_store, ecfg.name, ecfg.version, ecfg.overwrite,
         )  # fmt: skip
