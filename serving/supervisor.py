@@ -197,8 +197,9 @@ def start(cfg: ServeConfig) -> str:
         stop(cfg.workdir)
         raise RuntimeError(f"{e}\n(logs: {cfg.workdir}, {ts.workdir})") from None
     return (
-        f"serving {ts.model_name} v{ts.model_version}: gateway {local_target(gw)},"
-        f" TorchServe gRPC {ts.grpc_inference_target} (state {cfg.workdir})"
+        f"serving {ts.model_name} v{ts.model_version}: gateway {local_target(gw)}"
+        f" (token {gw.auth.token_file}), TorchServe gRPC {ts.grpc_inference_target}"
+        f" (state {cfg.workdir})"
     )
 
 

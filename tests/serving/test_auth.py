@@ -3,7 +3,8 @@
 Tokens: no token / a wrong token -> UNAUTHENTICATED on Score and reflection, health open, a
 token of the file scores, the file is re-read when it changes, ``serving.client`` finds the
 token through ``RECSYS_GATEWAY_TOKEN_FILE``. TLS and mutual TLS with a throwaway CA made by the
-``openssl`` CLI: TLS calls succeed, plaintext fails, mTLS without a client certificate fails.
+``openssl`` CLI: TLS calls succeed, plaintext fails, mTLS without a client certificate fails
+(the mTLS gateway also runs with ``auth.protect_health``: health then needs the token).
 A non-loopback host without a token file refuses to start.
 """
 
@@ -274,10 +275,11 @@ def test_tls_and_mutual_tls(
         cert=str(certs["server.pem"]), key=str(certs["server.key"]),
         client_ca=str(certs["ca.pem"]) if mutual else "",
     )  # fmt: skip
+    # the mTLS gateway also closes health (auth.protect_health): probes then need the token
+    auth = AuthConfig(token_file=str(tokens), protect_health=mutual)
     gateway, target = start_gateway(
-        export / "schema.json", [torchserve[0]], tmp_path / "gateway.log",
-        auth=AuthConfig(token_file=str(tokens)), tls=tls,
-    )  # fmt: skip
+        export / "schema.json", [torchserve[0]], tmp_path / "gateway.log", auth=auth, tls=tls
+    )
     request, md = _request(exported), (("authorization", f"Bearer {T1}"),)
     try:
         deadline = time.monotonic() + 60
@@ -287,6 +289,11 @@ def test_tls_and_mutual_tls(
                 assert code == "UNAVAILABLE" and time.monotonic() < deadline, code
                 time.sleep(0.3)  # starting, or backends not probed yet
             assert _code(lambda: stub.Score(request, timeout=10)) == "UNAUTHENTICATED"
+            health = health_pb2_grpc.HealthStub(ch)
+            ask = health_pb2.HealthCheckRequest()
+            assert _code(lambda: health.Check(ask, metadata=md, timeout=5)) == "OK"
+            open_health = _code(lambda: health.Check(ask, timeout=5))
+            assert open_health == ("UNAUTHENTICATED" if mutual else "OK")
         with grpc.insecure_channel(target) as ch:  # plaintext to a TLS port
             stub = ranker_pb2_grpc.RankerStub(ch)
             assert _code(lambda: stub.Score(request, metadata=md, timeout=5)) == "UNAVAILABLE"
