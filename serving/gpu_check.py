@@ -19,6 +19,7 @@ import ast
 import json
 import logging
 import sys
+import tempfile
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -52,6 +53,9 @@ class GpuCheckConfig:
     """Timed forwards per cell, after 3 warm-up forwards."""
     cpu_max_batch: int = 2048
     """Largest batch timed on CPU (the CPU half is a smoke run, not the measurement)."""
+    aoti: bool = False
+    """Also AOTInductor-compile the .pt2 for each device here and time it (needs a C++
+    compiler; on CUDA, Triton): minutes of compile."""
 
 
 def read_npz(path: Path) -> dict[str, torch.Tensor]:
@@ -94,6 +98,18 @@ def auc(labels: torch.Tensor, scores: torch.Tensor) -> float:
     if n_pos == 0 or n_neg == 0:
         return float("nan")
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def compile_aoti(export: Path, device: torch.device, out: Path) -> Any:
+    """The ``.pt2`` program AOTInductor-compiled for ``device`` here, loaded."""
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
+    from torch.export.passes import move_to_device_pass
+
+    program = move_to_device_pass(torch.export.load(export / "model_portable.pt2"), device)
+    t0 = time.perf_counter()
+    path = aoti_compile_and_package(program, package_path=str(out / f"aoti_{device.type}.pt2"))
+    print(f"AOTInductor compile for {device}: {time.perf_counter() - t0:.0f} s")
+    return aoti_load_package(path)
 
 
 def load_models(export: Path, schema: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -198,6 +214,9 @@ def check(cfg: GpuCheckConfig) -> int:
     failed = 0
     for device in devices:
         models = load_models(cfg.export, schema, device)
+        if cfg.aoti:
+            with tempfile.TemporaryDirectory() as tmp:
+                models["aoti"] = compile_aoti(cfg.export, device, Path(tmp))
         for name, what, value, limit, ok in parity(models, sample, device):
             failed += not ok
             print(
