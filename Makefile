@@ -103,17 +103,17 @@ demo: setup  ## everything on the embedded default: train -> export -> serve -> 
 	    LOADTEST_ARGS="--calibrate --slo-failure-ratio 0 $(LOADTEST_ARGS)"; \
 	  echo "report: $(OUT)/report.html  $(OUT)/latency.png  $(OUT)/summary.json"
 
-bench: setup  ## training (trainer vs DMP ceiling vs plain PyTorch) and serving (in-process floor, plain TorchServe, TorchServe gRPC, gateway) ratios
-	$(PY) -m training.bench $(ARGS)
-	$(PY) -m serving.bench $(SERVING_BENCH_ARGS)
-
-test: setup test-deps  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
 # torch alone: runs on a CUDA machine with the repository copied and no venv
 # (make gpu-check PY=python3), where the portable variants exist for.
 .PHONY: gpu-check
 gpu-check:  ## load RUN's portable export on CUDA (CPU half without one), parity + latency table
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m serving.gpu_check --export $(RUN)/export $(GPU_CHECK_ARGS)
 
+bench: setup  ## training (trainer vs DMP ceiling vs plain PyTorch) and serving (in-process floor, plain TorchServe, TorchServe gRPC, gateway) ratios
+	$(PY) -m training.bench $(ARGS)
+	$(PY) -m serving.bench $(SERVING_BENCH_ARGS)
+
+test: setup test-deps  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # System tools the suite runs for real: docker-compose (tests/deploy validates the compose file

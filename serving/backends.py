@@ -1,11 +1,14 @@
 """TorchServe backends behind one gateway: health-aware round robin with failover.
 
 Each backend has its own channel, key file (TorchServe writes new keys at every start) and
-health, kept by a probe loop that sends a one-example request every interval. Calls go round
-robin over the healthy backends (over all of them while none is known healthy). A call that
-fails as an outage (unreachable, no worker, no answer within the backend deadline, a stale key)
-marks its backend unhealthy and is retried once on the next one while the client's deadline
-allows, so stopping one replica costs at most the calls already waiting on it.
+health, kept by a probe loop that sends a one-example request every interval and checks the
+answer (one probability in [0, 1]: a handler that refuses every request is not healthy). Calls
+go round robin over the healthy backends (over all of them while none is known healthy). A call
+that fails as an outage (unreachable, no worker, a worker that died, a stale key, no answer
+within the backend deadline) marks its backend unhealthy. It is retried on another backend,
+while the client's deadline allows, only when it failed fast: never after a timeout, which
+would double the load on replicas exactly when they are too slow. Scoring has no side effects,
+so a retry after a fast failure cannot do harm.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import grpc
 import numpy as np
 
 from serving import metrics
-from serving.codec import encode_request
+from serving.codec import CodecError, decode_response, encode_request
 from serving.torchserve.client import inference_stub, predictions_request
 from serving.torchserve.keys import KeyFileError, KeySource
 
@@ -35,12 +38,14 @@ _UNAVAILABLE_HINTS = ("worker", "not found", "unavailable", "503", "no worker", 
 
 
 class BackendError(Exception):
-    """A failed backend call, already mapped to the gateway's status code."""
+    """A failed backend call, already mapped to the gateway's status code; ``retry``: another
+    backend may take it (an outage that failed fast, not a timeout)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry = retry
 
 
 def probe_body(dense: int, sparse: int) -> bytes:
@@ -48,6 +53,17 @@ def probe_body(dense: int, sparse: int) -> bytes:
     return encode_request(
         np.zeros((1, dense), np.float32), np.zeros(0, np.int64), np.zeros((sparse, 1), np.int32)
     )
+
+
+def probe_problem(prediction: bytes) -> str:
+    """ "" when a probe's answer is one finite probability in [0, 1], else what is wrong."""
+    try:
+        scores = decode_response(prediction)
+    except CodecError as e:  # e.g. the handler refuses the request: wrong schema in the .mar
+        return f"the probe's answer does not decode: {e}"
+    if scores.size != 1 or not (0.0 <= float(scores[0]) <= 1.0):
+        return f"the probe's answer is {scores[:4].tolist()}, not one probability in [0, 1]"
+    return ""
 
 
 def map_backend_error(
@@ -85,6 +101,9 @@ class Backend:
     stub: Any
     healthy: bool = False
     calls: int = field(default=0)
+    in_flight: int = 0
+    problem: str = ""
+    """Why the last probe failed ("" = it passed)."""
 
 
 class BackendPool:
@@ -95,6 +114,7 @@ class BackendPool:
         model_name: str,
         deadline_s: float,
         options: Sequence[tuple[str, Any]] = (),
+        deadline_per_mb_s: float = 0.0,
     ) -> None:
         files = list(key_files) * len(targets) if len(key_files) == 1 else list(key_files)
         # gRPC backs off reconnecting up to 120 s by default: a replica restarted after a long
@@ -107,18 +127,28 @@ class BackendPool:
             self.backends.append(Backend(target, KeySource(key_file), channel, stub))
         self.model_name = model_name
         self.deadline_s = deadline_s
+        self.deadline_per_mb_s = deadline_per_mb_s
         self._next = 0
 
     def pick(self, tried: set[int]) -> int | None:
-        """Next backend by round robin: healthy ones first, then any not yet tried."""
+        """The next backend not yet tried: healthy ones first; among them the one with the
+        fewest calls in flight (a replica that hangs, e.g. paused, holds only the calls it
+        already has), round robin between equals."""
         n = len(self.backends)
         order = [(self._next + k) % n for k in range(n)]
         for wanted in (True, False):
-            for i in order:
-                if i not in tried and (self.backends[i].healthy or not wanted):
-                    self._next = (i + 1) % n
-                    return i
+            candidates = [
+                i for i in order if i not in tried and (self.backends[i].healthy or not wanted)
+            ]
+            if candidates:
+                i = min(candidates, key=lambda j: self.backends[j].in_flight)
+                self._next = (i + 1) % n
+                return i
         return None
+
+    def timeout(self, body_bytes: int) -> float:
+        """The backend deadline of a call: larger bodies take longer to move and score."""
+        return self.deadline_s + self.deadline_per_mb_s * body_bytes / 1e6
 
     async def predict(
         self, body: bytes, version: str, time_remaining: float | None
@@ -136,22 +166,29 @@ class BackendPool:
             left = None if end is None else end - loop.time()
             if left is not None and left <= 0:
                 break
-            client_bound = left is not None and left < self.deadline_s
+            own = self.timeout(len(body))
+            client_bound = left is not None and left < own
+            backend.in_flight += 1
             try:
-                reply = await self._call(backend, version, body, left if client_bound else None)
+                reply = await self._call(backend, version, body, left if client_bound else own)
                 backend.calls += 1
                 return bytes(reply.prediction), backend.target
             except grpc.aio.AioRpcError as e:
-                code, message = map_backend_error(e, client_bound, self.deadline_s)
-                last = BackendError(code, f"{backend.target}: {message}")
+                code, message = map_backend_error(e, client_bound, own)
+                timed_out = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                last = BackendError(code, f"{backend.target}: {message}", retry=not timed_out)
             except KeyFileError as e:  # key file unreadable while that TorchServe restarts
-                last = BackendError(grpc.StatusCode.UNAVAILABLE, f"{backend.target}: {e}")
+                last = BackendError(grpc.StatusCode.UNAVAILABLE, f"{backend.target}: {e}", True)
+            finally:
+                backend.in_flight -= 1
             if last.code != grpc.StatusCode.UNAVAILABLE:
                 raise last
-            metrics.failover(backend.target)
             if backend.healthy:
                 logger.warning("backend %s out of rotation: %s", backend.target, last.message)
             backend.healthy = False
+            if not last.retry:
+                raise last
+            metrics.failover(backend.target)
         raise last or BackendError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
 
     async def _call(
@@ -165,11 +202,16 @@ class BackendPool:
         )
 
     async def probe(self, backend: Backend, version: str, dense: int, sparse: int) -> bool:
+        """A one-example call; healthy when it answers one probability in [0, 1]."""
         try:
-            await self._call(backend, version, probe_body(dense, sparse))
-            return True
-        except (grpc.aio.AioRpcError, KeyFileError):
-            return False
+            reply = await self._call(backend, version, probe_body(dense, sparse))
+            problem = probe_problem(bytes(reply.prediction))
+        except (grpc.aio.AioRpcError, KeyFileError) as e:
+            problem = str(e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
+        if problem and problem != backend.problem:
+            logger.warning("backend %s fails its probe: %s", backend.target, problem)
+        backend.problem = problem
+        return not problem
 
     async def refresh(self, version: str, dense: int, sparse: int) -> bool:
         """Probe every backend once; True when at least one is healthy."""

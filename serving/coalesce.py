@@ -75,9 +75,13 @@ class Member:
     deadline: float | None  # loop time, None = no deadline
     future: asyncio.Future[tuple[np.ndarray, str]]
     examples: int = field(init=False)
+    nbytes: int = field(init=False)
+    """Size of the member's arrays as they travel (int32 lengths, int64 ids)."""
 
     def __post_init__(self) -> None:
-        self.examples = int(self.arrays[0].shape[0])
+        dense, values, lengths = self.arrays
+        self.examples = int(dense.shape[0])
+        self.nbytes = 4 * dense.size + 4 * lengths.size + 8 * values.size
 
 
 @dataclass
@@ -94,16 +98,20 @@ class Coalescer:
     """Merges concurrent requests for one model version into backend calls (see module doc).
 
     ``send``: one backend call; ``slots``: backend calls in flight at most (e.g. calls per
-    backend x backends); ``max_examples``: most examples per backend call (a single request
-    above it goes alone: it was validated against the request limit already).
+    backend x backends); ``max_examples`` / ``max_bytes``: most examples / array bytes per
+    backend call (a single request above them goes alone: it was validated against the request
+    limits already).
     """
 
-    def __init__(self, send: Send, slots: int, max_examples: int) -> None:
+    def __init__(
+        self, send: Send, slots: int, max_examples: int, max_bytes: int | None = None
+    ) -> None:
         if slots < 1 or max_examples < 1:
             raise ValueError("slots and max_examples must be >= 1")
         self.send = send
         self.slots = slots
         self.max_examples = max_examples
+        self.max_bytes = max_bytes
         self.queue: deque[Member] = deque()
         self.in_flight = 0
         self.stats = Stats()
@@ -133,7 +141,7 @@ class Coalescer:
         """The next batch: queued members in order, up to ``max_examples`` (at least one)."""
         now = asyncio.get_running_loop().time()
         batch: list[Member] = []
-        total = 0
+        total = size = 0
         while self.queue:
             m = self.queue[0]
             if m.future.done():  # the caller went away (cancelled)
@@ -145,8 +153,11 @@ class Coalescer:
                 continue
             if batch and total + m.examples > self.max_examples:
                 break
+            if batch and self.max_bytes is not None and size + m.nbytes > self.max_bytes:
+                break
             batch.append(self.queue.popleft())
             total += m.examples
+            size += m.nbytes
         return batch
 
     async def _call(self, batch: list[Member]) -> None:

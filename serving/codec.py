@@ -37,6 +37,12 @@ class CodecError(ValueError):
     """A body that does not decode; the message says what is wrong."""
 
 
+def body_bytes(examples: int, dense: int, sparse: int, ids: int) -> int:
+    """Size of an RSB1 body: ``examples`` x ``dense`` floats, ``sparse`` x ``examples``
+    lengths and ``ids`` ids (ids travel as int64: up to ~8x their size in a protobuf request)."""
+    return HEADER.size + 4 * examples * dense + 4 * sparse * examples + 8 * ids
+
+
 def encode_request(dense: Any, values: Any, lengths: Any) -> bytes:
     """``dense f32[B,D]``, ``values i64[N]``, ``lengths i32[F,B]`` -> RSB1 bytes."""
     dense = np.ascontiguousarray(dense, dtype=np.float32)

@@ -102,6 +102,13 @@ class GatewayConfig:
     the inference key goes in each call's metadata and is re-read when the file changes."""
     deadline_s: float = 2.0
     """Deadline of each call to TorchServe; a backend that misses it is out of rotation."""
+    deadline_per_mb_s: float = 0.25
+    """Added to deadline_s per MB of a call's body (the largest request allowed is a ~13.5 MB
+    body: 2 + 3.4 s), so that a large call on a busy machine is not taken for an outage."""
+    backend_max_bytes: int = 16 * 1024 * 1024
+    """Largest body TorchServe accepts (its ``max_request_size``, ``[torchserve]
+    max_request_bytes``): merged calls stay under it, and the largest request the limits allow
+    must fit in it (checked at start)."""
     health_interval_s: float = 1.0
     """How often every backend is probed with a one-example request (health and rotation)."""
     grace_s: float = 5.0

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -23,19 +24,27 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from recsys_stack.config import ConfigError, parse
 from serving import kserve, metrics
+from serving.admission import Admission, AdmissionInterceptor
 from serving.auth import AuthError, check_exposure, server_credentials
 from serving.auth import interceptors as auth_interceptors
 from serving.backends import BackendError, BackendPool
 from serving.coalesce import Arrays, Coalescer, Expired, ScoreCountError
-from serving.codec import CodecError, decode_response, encode_request
+from serving.codec import HEADER, CodecError, body_bytes, decode_response, encode_request
 from serving.config import GatewayConfig
 from serving.errors import ScoreError
+from serving.rpc import add_servicer
 from serving.stubs import kserve_pb2, ranker_pb2, ranker_pb2_grpc, reflection_pool
 from serving.torchserve.keys import KeyFileError, read_keys
-from serving.validate import InvalidRequest, Schema, validate
+from serving.validate import InvalidRequest, Schema, clip
+from serving.wire import decode_score_request, peek_examples
 
 logger = logging.getLogger("serving.gateway")
 SERVICE = "recsys.v1.Ranker"
+# room for what a PredictionsRequest carries beside the body (model name, version, framing)
+ENVELOPE_BYTES = 4096
+# requests larger than this are decoded in a thread, off the event loop (health checks and
+# small requests keep flowing while a megabyte request is decoded)
+OFFLOAD_BYTES = 256 * 1024
 
 
 class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
@@ -45,15 +54,21 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         self.pool = pool
         c = cfg.coalesce
         slots = c.calls_per_backend * len(pool.backends)
-        self.coalescer = Coalescer(self._send, slots, c.max_examples) if c.enabled else None
+        body_limit = cfg.backend_max_bytes - ENVELOPE_BYTES - HEADER.size
+        self.coalescer = (
+            Coalescer(self._send, slots, c.max_examples, body_limit) if c.enabled else None
+        )
+        self.admission = Admission(cfg.limits.max_inflight_examples)
 
     async def _send(self, arrays: Arrays, time_remaining: float | None) -> tuple[np.ndarray, str]:
         """One TorchServe call for (possibly merged) validated arrays -> scores f32[B]; the one
         place that checks a reply has a score per example (both paths go through here)."""
         body = encode_request(*arrays)
+        started = time.monotonic()
         prediction, backend = await self.pool.predict(
             body, self.schema.model_version, time_remaining
         )
+        self.admission.observe(time.monotonic() - started)
         scores = decode_response(prediction)
         if scores.size != arrays[0].shape[0]:
             raise ScoreCountError(f"{scores.size} scores for {arrays[0].shape[0]} examples")
@@ -67,10 +82,12 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         if version != self.schema.model_version:
             raise ScoreError(
                 grpc.StatusCode.NOT_FOUND,
-                f"model_version '{version}' is not served here (this gateway serves "
+                f"model_version {clip(version)} is not served here (this gateway serves "
                 f"{self.schema.model_name} v{self.schema.model_version})",
             )
-        metrics.examples(arrays[0].shape[0])
+        examples = int(arrays[0].shape[0])
+        metrics.examples(examples)
+        self.admission.admit(examples, time_remaining)  # raises ScoreError: refused at once
         try:
             if self.coalescer is not None:
                 return await self.coalescer.score(arrays, time_remaining)
@@ -86,16 +103,34 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             ) from e
         except ScoreCountError as e:
             raise ScoreError(grpc.StatusCode.INTERNAL, f"TorchServe returned {e}") from e
+        finally:
+            self.admission.release(examples)
 
     async def Score(
-        self, request: ranker_pb2.ScoreRequest, context: grpc.aio.ServicerContext
+        self, data: bytes, context: grpc.aio.ServicerContext
     ) -> ranker_pb2.ScoreResponse:
+        """``recsys.v1.Ranker/Score``: the request arrives as bytes (registered raw): an
+        overload is refused before decoding, and decoding skips protobuf's per-value objects
+        (``serving.wire``)."""
         try:
-            arrays = validate(request, self.schema, self.cfg.limits, request.ByteSize())
+            # refused before the work of decoding when num_examples alone says so
+            claimed = min(peek_examples(data), self.cfg.limits.max_examples)  # more: invalid
+            self.admission.check(claimed, context.time_remaining())
+        except ScoreError as e:
+            metrics.rejected("overload")
+            await context.abort(e.code, e.message)
+        try:
+            if len(data) > OFFLOAD_BYTES:  # numpy releases the GIL: the loop serves others
+                decoded = await asyncio.to_thread(
+                    decode_score_request, data, self.schema, self.cfg.limits
+                )
+            else:
+                decoded = decode_score_request(data, self.schema, self.cfg.limits)
+            arrays, version = decoded
         except InvalidRequest as e:
             metrics.rejected("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        version = request.model_version or self.schema.model_version
+        version = version or self.schema.model_version
         try:
             scores, backend = await self.score_arrays(arrays, version, context.time_remaining())
         except ScoreError as e:
@@ -108,13 +143,43 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         )
 
 
+def check_limits_fit(cfg: GatewayConfig, schema: Schema) -> None:
+    """Everything validation accepts must reach TorchServe: the largest request the limits
+    allow (max examples x max ids per feature, as int64 in the body) within its body limit."""
+    lim = cfg.limits
+    largest = body_bytes(
+        lim.max_examples,
+        len(schema.dense),
+        len(schema.sparse),
+        lim.max_examples * len(schema.sparse) * lim.max_ids_per_feature,
+    )
+    if largest + ENVELOPE_BYTES > cfg.backend_max_bytes:
+        raise ValueError(
+            f"limits: the largest request they allow ({lim.max_examples} examples x "
+            f"{lim.max_ids_per_feature} ids per feature) is a {largest}-byte TorchServe body, over "
+            f"backend_max_bytes = {cfg.backend_max_bytes}: lower the limits or raise both "
+            "backend_max_bytes and TorchServe's max_request_bytes"
+        )
+
+
+def backend_options(cfg: GatewayConfig) -> list[tuple[str, int]]:
+    """Channel options toward TorchServe: messages up to its body limit (plus the request's
+    envelope), whatever the public request limit is."""
+    size = cfg.backend_max_bytes + 64 * 1024
+    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+
+
 async def poll_health(
     cfg: GatewayConfig, schema: Schema, pool: BackendPool, servicer: health.aio.HealthServicer
 ) -> None:
     """SERVING while at least one backend answers a probe request; NOT_SERVING otherwise."""
     status = None
     while True:
-        ok = await pool.refresh(schema.model_version, len(schema.dense), len(schema.sparse))
+        try:
+            ok = await pool.refresh(schema.model_version, len(schema.dense), len(schema.sparse))
+        except Exception:  # never let the poller die: health would be stuck where it was
+            logger.exception("health probe failed; NOT_SERVING until a probe succeeds")
+            ok = False
         new = (
             health_pb2.HealthCheckResponse.SERVING
             if ok
@@ -131,6 +196,7 @@ async def poll_health(
 async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM/SIGINT; then stop accepting and let in-flight calls finish."""
     schema = Schema.load(cfg.schema)
+    check_limits_fit(cfg, schema)
     options = [
         ("grpc.max_receive_message_length", 2 * cfg.limits.max_request_bytes),
         ("grpc.max_send_message_length", 2 * cfg.limits.max_request_bytes),
@@ -140,23 +206,27 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         cfg.key_files(),
         schema.model_name,
         cfg.deadline_s,
-        options,
+        backend_options(cfg),
+        cfg.deadline_per_mb_s,
     )
     check_exposure(cfg.host, cfg.auth)
     credentials = server_credentials(cfg.tls)
     m = metrics.configure(cfg.limits.max_examples, cfg.coalesce.max_examples)
     m.model.labels(schema.model_name, schema.model_version).set(1)
     m.track_backends(pool.backends)
-    # metrics outermost: refused calls are counted with their code too
+    ranker = Ranker(cfg, schema, pool)
+    scoring = (f"/{SERVICE}/Score", f"/{kserve.SERVICE}/ModelInfer")
+    admission = AdmissionInterceptor(ranker.admission, scoring, cfg.limits.max_examples)
+    # metrics outermost: refused calls are counted with their code too; admission after auth:
+    # an unauthenticated caller learns nothing about the load
     server = grpc.aio.server(
         options=options,
-        interceptors=[metrics.MetricsInterceptor(m), *auth_interceptors(cfg.auth)],
+        interceptors=[metrics.MetricsInterceptor(m), *auth_interceptors(cfg.auth), admission],
     )
-    ranker = Ranker(cfg, schema, pool)
     if ranker.coalescer is not None:
         coalescer = ranker.coalescer
         m.track_in_flight(lambda: coalescer.in_flight)
-    ranker_pb2_grpc.add_RankerServicer_to_server(ranker, server)
+    add_servicer(server, ranker_pb2_grpc.add_RankerServicer_to_server, ranker, raw=("Score",))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE):
@@ -215,9 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(
             level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-        Schema.load(cfg.schema)
+        check_limits_fit(cfg, Schema.load(cfg.schema))
         for path in cfg.key_files():
-            read_keys(path)
+            try:  # TorchServe writes its keys when it starts: it may start after the gateway
+                read_keys(path)
+            except KeyFileError as e:
+                logger.warning("%s; NOT_SERVING until it is readable", e)
         check_exposure(cfg.host, cfg.auth)
         auth_interceptors(cfg.auth)  # the token file is readable
         server_credentials(cfg.tls)  # the PEM files are

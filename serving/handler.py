@@ -66,10 +66,13 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
         )
         self.scoring = ScoringModel(model_dir, artifact, device, dtype)
         self.variant = variant
+        warm = os.environ.get("RECSYS_WARM_UP", "1") != "0"  # 0: skip (tests of startup)
+        warm_s = self.scoring.warm_up() if warm else 0.0
         self.initialized = True
         logger.info(
-            "recsys handler: variant %s (%s%s) on %s (%d threads)", variant, artifact,
-            f", cast to {dtype}" if dtype else "", device, torch.get_num_threads(),
+            "recsys handler: variant %s (%s%s) on %s (%d threads), warmed up in %.1f s",
+            variant, artifact, f", cast to {dtype}" if dtype else "", device,
+            torch.get_num_threads(), warm_s,
         )  # fmt: skip
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 # torch alone loads and runs a portable model here (serving.gpu_check, on a machine that may
 # have no numpy); only decoding a request body needs the (numpy) codec.
 
+# batch sizes a worker scores before it reports READY (see ScoringModel.warm_up)
+WARM_UP_SIZES = (1, 100, 1000)
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # The views of a bytes body are read-only; the model never writes into its inputs, so torch's
 # warning about it (once per process, from to_tensors) says nothing here.
@@ -143,6 +146,24 @@ class ScoringModel:
             here = sorted(p.name for p in model_dir.glob("model_*"))
             raise ValueError(f"{artifact} is not in {model_dir} (it has {', '.join(here)})")
         self.model = load_artifact(model_dir / artifact, self.variant, device, dtype)
+
+    def warm_up(self, sizes: tuple[int, ...] = WARM_UP_SIZES, rounds: int = 3) -> float:
+        """Score synthetic batches of each size ``rounds`` times; returns the seconds taken.
+
+        TorchScript profiles and re-optimizes a graph on its first calls at new shapes: a fresh
+        worker's first forwards took seconds (longer than the gateway's probe deadline, so a
+        restarted replica stayed out of rotation). Paying it before READY keeps the first real
+        requests as fast as the rest."""
+        t0 = time.perf_counter()
+        for b in sizes:
+            x = (
+                torch.zeros((b, self.dense_count), dtype=torch.float32),
+                torch.zeros(self.sparse_count * b, dtype=torch.int64),
+                torch.ones((self.sparse_count, b), dtype=torch.int32),
+            )
+            for _ in range(rounds):
+                self.forward([x])
+        return time.perf_counter() - t0
 
     def decode(self, body: bytes | bytearray) -> Tensors:
         """RSB1 bytes -> ``(dense f32[B,D], values i64[N], lengths i32[F,B])``."""

@@ -187,6 +187,7 @@ def start(cfg: ServeConfig) -> str:
             schema=cfg.gateway.schema.resolve(),
             backend=ts.grpc_inference_target,
             key_file=str(ts.key_file.resolve()),
+            backend_max_bytes=ts.max_request_bytes,
             auth=dataclasses.replace(cfg.gateway.auth, token_file=str(token_file)),
         )
         gateway = launch_gateway(gw, cfg.workdir / GATEWAY_LOG)

@@ -15,6 +15,16 @@ from typing import Any
 
 import numpy as np
 
+ECHO_CHARS = 64
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """``text`` quoted for an error message, cut to ``limit`` characters (requests are echoed
+    back in errors: a megabyte of feature name must not come back as a megabyte)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
 
 class InvalidRequest(ValueError):
     """A request the gateway refuses (gRPC INVALID_ARGUMENT); the message names the field."""
@@ -30,6 +40,9 @@ class Limits:
     """Most ids of one sparse feature in one example."""
     max_request_bytes: int = 4 << 20
     """Largest serialized request, in bytes (the gRPC message limit is twice this)."""
+    max_inflight_examples: int = 16384
+    """Most examples the gateway holds at once (queued or being scored); a request beyond it
+    is refused at once with RESOURCE_EXHAUSTED (overload is refused fast, not queued)."""
 
 
 @dataclass(frozen=True)
@@ -128,54 +141,97 @@ def validate_arrays(
     return dense, values, np.ascontiguousarray(lengths, dtype=np.int32)
 
 
+@dataclass
+class Columns:
+    """A ScoreRequest as arrays, features in request order: what both decoders produce
+    (protobuf's message, :func:`columns`; the raw-bytes fast path, ``serving.wire``)."""
+
+    examples: int
+    """num_examples as sent."""
+    dense: np.ndarray
+    """f32[?] as sent (B x D when valid)."""
+    names: list[str]
+    """Sparse feature names, request order."""
+    ids: np.ndarray
+    """i64[N]: every feature's ids, request order."""
+    ids_per_feature: np.ndarray
+    """i64[F']: how many of ``ids`` each feature has."""
+    lengths: np.ndarray
+    """i64[?]: every feature's lengths entries, request order (F' x B when valid)."""
+    entries: np.ndarray
+    """i64[F']: how many lengths entries each feature has."""
+
+
+def columns(request: Any) -> Columns:
+    """A protobuf ``ScoreRequest`` (or anything shaped like one) as :class:`Columns`."""
+    feats = request.sparse
+    empty = np.zeros(0, np.int64)
+
+    def cat(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts) if parts else empty
+
+    return Columns(
+        examples=int(request.num_examples),
+        dense=np.asarray(request.dense, dtype=np.float32),
+        names=[f.name for f in feats],
+        ids=cat([np.asarray(f.ids, dtype=np.int64) for f in feats]),
+        ids_per_feature=np.fromiter((len(f.ids) for f in feats), np.int64, len(feats)),
+        lengths=cat([np.asarray(f.lengths, dtype=np.int64) for f in feats]),
+        entries=np.fromiter((len(f.lengths) for f in feats), np.int64, len(feats)),
+    )
+
+
 def validate(
     request: Any, schema: Schema, limits: Limits, request_bytes: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ScoreRequest -> ``(dense f32[B,D], values i64[N], lengths i32[F,B])`` in schema order.
+    """ScoreRequest -> ``(dense f32[B,D], values i64[N], lengths i32[F,B])`` in schema order."""
+    return validate_columns(columns(request), schema, limits, request_bytes)
+
+
+def validate_columns(
+    c: Columns, schema: Schema, limits: Limits, request_bytes: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A request's :class:`Columns` -> the model's arrays in schema order.
 
     Checks the request's own structure (counts, feature names) here, then the values with
     :func:`validate_arrays`, like every other API."""
-    b = int(request.num_examples)
+    b = c.examples
     check_size(b, request_bytes, limits, "num_examples")
     d = len(schema.dense)
-    dense = np.asarray(request.dense, dtype=np.float32)
-    if dense.size != b * d:
+    if c.dense.size != b * d:
         raise InvalidRequest(
-            f"dense: {dense.size} values, but {b} examples x {d} features need {b * d}"
+            f"dense: {c.dense.size} values, but {b} examples x {d} features need {b * d}"
         )
-    dense = dense.reshape(b, d)
-
+    dense = c.dense.reshape(b, d)
     index = {name: k for k, name in enumerate(schema.sparse)}
     order: list[int] = []  # schema position of each feature, in request order
-    for feature in request.sparse:  # names and counts: cheap, per feature
-        k = index.get(feature.name)
+    for name, entries in zip(c.names, c.entries.tolist(), strict=True):
+        k = index.get(name)
         if k is None:
             raise InvalidRequest(
-                f"sparse: unknown feature '{feature.name}' (the model takes {', '.join(schema.sparse)})"
+                f"sparse: unknown feature {clip(name)} (the model takes {', '.join(schema.sparse)})"
             )
         if k in order:
-            raise InvalidRequest(f"sparse: feature '{feature.name}' appears twice")
-        if len(feature.lengths) != b:
-            raise InvalidRequest(
-                f"sparse[{feature.name}].lengths: {len(feature.lengths)} entries for {b} examples"
-            )
+            raise InvalidRequest(f"sparse: feature '{name}' appears twice")
+        if entries != b:
+            raise InvalidRequest(f"sparse[{name}].lengths: {entries} entries for {b} examples")
         order.append(k)
     # values: one vectorized pass over all features; the slow path only names what is wrong
     lengths = np.zeros((len(schema.sparse), b), dtype=np.int64)  # int32 once checked
     if not order:
         return validate_arrays(dense, np.empty(0, dtype=np.int64), lengths, schema, limits)
-    given = np.stack([np.asarray(f.lengths, dtype=np.int64) for f in request.sparse])
-    counts = np.fromiter((len(f.ids) for f in request.sparse), dtype=np.int64, count=len(order))
-    ids_all = np.concatenate([np.asarray(f.ids, dtype=np.int64) for f in request.sparse])
+    given = c.lengths.reshape(len(order), b)
     lengths[order] = given
     _check_lengths(lengths, schema, limits)  # before the sums: a bad count is named as such
     sums = given.sum(axis=1)
+    counts = c.ids_per_feature
     if (sums != counts).any():
         r = int(np.argmax(sums != counts))
         raise InvalidRequest(
-            f"sparse[{request.sparse[r].name}]: lengths add up to {int(sums[r])} but there are "
+            f"sparse[{c.names[r]}]: lengths add up to {int(sums[r])} but there are "
             f"{int(counts[r])} ids"
         )
+    ids_all = c.ids
     if order != sorted(order):  # features out of schema order: regroup the ids
         per_feature = np.split(ids_all, np.cumsum(counts)[:-1])
         ids_of = [np.empty(0, dtype=np.int64)] * len(schema.sparse)

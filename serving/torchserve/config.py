@@ -71,8 +71,10 @@ class TorchServeConfig:
     """A worker that takes longer on a batch is considered stuck and restarted."""
     startup_timeout_s: int = 120
     """Longest a worker may take to load the model."""
-    job_queue_size: int = 1000
-    """Requests queued per model before TorchServe answers 503 (its default is 100)."""
+    job_queue_size: int = 100
+    """Requests queued per model before TorchServe answers 503 (TorchServe's default). The
+    gateway keeps at most ``coalesce.calls_per_backend`` calls in flight per replica, so only
+    direct callers fill it; a deeper queue would hold calls past any caller's deadline."""
     max_request_bytes: int = 16 * 1024 * 1024
     """Largest request body (REST and gRPC); TorchServe's 6.5 MB default is ~25k examples."""
     token_expiration_min: float = 60 * 24 * 365

@@ -1,0 +1,90 @@
+"""Registering generated gRPC servicers so that bytes that do not parse are INVALID_ARGUMENT.
+
+grpc's Python server deserializes a request before the servicer runs; when the bytes are not a
+valid message it answers ``UNKNOWN: Unexpected <class 'DecodeError'>``, which tells the caller
+nothing and reads as a server bug. :func:`add_servicer` registers a servicer through its
+generated ``add_XServicer_to_server`` function but with a deserializer that never raises: bytes
+that do not parse become an :class:`Undecodable` and the call ends with INVALID_ARGUMENT naming
+the message type, before the servicer's method runs. Works for any generated service (the
+``recsys.v1`` ranker, KServe v2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+
+class Undecodable:
+    """What the deserializer returns for bytes that are not a ``message`` (never raised)."""
+
+    def __init__(self, message: str, size: int, error: str) -> None:
+        self.text = f"the request is not a valid {message} ({size} bytes): {error}"
+
+
+def safe_deserializer(parse: Callable[[bytes], Any], message: str) -> Callable[[bytes], Any]:
+    """``parse`` that returns an :class:`Undecodable` instead of raising ``DecodeError``."""
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except (DecodeError, RuntimeError, ValueError) as e:  # upb raises DecodeError
+            return Undecodable(message, len(data), str(e)[:200] or type(e).__name__)
+
+    return deserialize
+
+
+def _guard(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.text)
+        return await behavior(request, context)
+
+    return call
+
+
+class _Capture:
+    """Stands in for the server inside a generated ``add_XServicer_to_server``."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the registered handlers below carry the same methods
+
+    def add_registered_method_handlers(self, service: str, handlers: Any) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def add_servicer(
+    server: grpc.aio.Server,
+    add: Callable[[Any, Any], None],
+    servicer: Any,
+    raw: Collection[str] = (),
+) -> str:
+    """``add(servicer, server)`` with parse errors mapped to INVALID_ARGUMENT (unary-unary
+    methods; others are registered unchanged); the methods named in ``raw`` receive the
+    request's bytes and parse them themselves. Returns the service's full name."""
+    capture = _Capture()
+    add(servicer, capture)
+    handlers = {}
+    for name, h in capture.handlers.items():
+        if name in raw:
+            h = h._replace(request_deserializer=None)  # type: ignore[attr-defined]
+        elif h.unary_unary is not None and h.request_deserializer is not None:
+            owner = getattr(h.request_deserializer, "__self__", None)
+            message = owner.DESCRIPTOR.full_name if owner is not None else name
+            h = h._replace(  # type: ignore[attr-defined]
+                unary_unary=_guard(h.unary_unary),
+                request_deserializer=safe_deserializer(h.request_deserializer, message),
+            )
+        handlers[name] = h
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(capture.service, handlers),)
+    )
+    server.add_registered_method_handlers(capture.service, handlers)
+    return capture.service
