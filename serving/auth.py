@@ -119,11 +119,16 @@ def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
 
 def _denier(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED."""
+    # imported here, on the gateway's side only: clients of this module (the Locust image)
+    # run without prometheus_client
+    from serving import metrics
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        metrics.rejected("unauthenticated")
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        metrics.rejected("unauthenticated")
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover  (makes this an async generator)
 

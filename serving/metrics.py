@@ -16,7 +16,8 @@ Exported (prefix ``recsys_gateway_``):
 - ``rejections_total{reason}``: calls refused before scoring (invalid, unauthenticated, and the
   admission control's reasons).
 - ``backend_healthy{backend}`` (1/0, read at scrape time), ``backend_failovers_total{backend}``:
-  calls that failed on a backend as an outage (it left rotation; retried on another if any).
+  calls given up on a backend after an outage that cannot have reached a worker, to be retried
+  on another one if any is left (the backend leaves rotation; a timeout is never retried).
 - ``model_info{model_name,model_version}``: the served model (always 1).
 """
 
@@ -76,18 +77,18 @@ class GatewayMetrics:
         self.backend_in_flight = Gauge(
             f"{PREFIX}_backend_calls_in_flight", "TorchServe calls in flight", registry=r
         )
-        rejections = Counter(
+        self.rejections_total = Counter(
             f"{PREFIX}_rejections", "calls refused before scoring, by reason", ["reason"],
             registry=r,
         )  # fmt: skip
-        self.rejections = {k: rejections.labels(k) for k in REJECTION_REASONS}
+        self.rejections = {k: self.rejections_total.labels(k) for k in REJECTION_REASONS}
         self.healthy = Gauge(
             f"{PREFIX}_backend_healthy", "1 while a TorchServe backend is in rotation",
             ["backend"], registry=r,
         )  # fmt: skip
         self._failovers = Counter(
-            f"{PREFIX}_backend_failovers", "backend calls failed as an outage (then retried "
-            "on another backend if any)", ["backend"], registry=r,
+            f"{PREFIX}_backend_failovers", "calls moved off a backend after an outage that "
+            "cannot have reached a worker", ["backend"], registry=r,
         )  # fmt: skip
         self.failovers: dict[str, Any] = {}
         self.model = Gauge(
@@ -137,13 +138,17 @@ def backend_call(requests: int, n_examples: int) -> None:
 
 
 def rejected(reason: str) -> None:
-    """A call refused before scoring; ``reason`` one of :data:`REJECTION_REASONS`."""
+    """A call refused before scoring; ``reason`` one of :data:`REJECTION_REASONS` (another
+    name gets its own series rather than an error on the hot path)."""
     if _current is not None:
-        _current.rejections[reason].inc()
+        child = _current.rejections.get(reason)
+        if child is None:
+            child = _current.rejections[reason] = _current.rejections_total.labels(reason)
+        child.inc()
 
 
 def failover(backend: str) -> None:
-    """A call on ``backend`` failed as an outage (the backend leaves rotation)."""
+    """A call leaves ``backend`` for another after an outage (the backend leaves rotation)."""
     if _current is not None and backend in _current.failovers:
         _current.failovers[backend].inc()
 

@@ -9,9 +9,11 @@ queried over its HTTP API for the gateway's request counter and a TorchServe met
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -32,6 +34,7 @@ from serving.config import AuthConfig, MetricsConfig
 from serving.stubs import ranker_pb2_grpc
 from serving.torchserve.config import TorchServeConfig
 from serving.validate import Schema
+from tests.conftest import ROOT, _env
 from tests.stack import start_gateway, stop_gateway, wait_status
 
 pytestmark = pytest.mark.slow
@@ -56,6 +59,17 @@ def test_a_busy_metrics_port_does_not_stop_the_gateway() -> None:
         first.close()
 
 
+def test_the_client_side_needs_no_prometheus_client() -> None:
+    """The Locust image installs the load extra only: the client and its auth helpers must
+    import without prometheus_client (the gateway's side imports it)."""
+    code = "import sys; sys.modules['prometheus_client'] = None; import serving.client"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """``GET url`` -> {(sample name, sorted labels): value}."""
     with urllib.request.urlopen(url, timeout=5) as r:
@@ -73,13 +87,17 @@ def gateway(
     exported: tuple[Path, Path, str],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, int]]:
-    """(gRPC target, metrics port) of a gateway with a token file and metrics on."""
+    """(gRPC target, metrics port) of a gateway with a token file and metrics on, in front of
+    the module's TorchServe and a backend address where nothing listens."""
     export, _, _ = exported
     work = tmp_path_factory.mktemp("metrics")
     (work / "tokens").write_text(TOKEN + "\n")
     port = free_ports(1)[0]
+    ts = torchserve[0]
+    # a second backend where nothing listens: backend_healthy must tell the two apart
+    dead = dataclasses.replace(ts, grpc_inference_port=free_ports(1)[0])
     proc, target = start_gateway(
-        export / "schema.json", [torchserve[0]], work / "gateway.log",
+        export / "schema.json", [ts, dead], work / "gateway.log",
         auth=AuthConfig(token_file=str(work / "tokens")), metrics=MetricsConfig(port=port),
     )  # fmt: skip
     try:
@@ -108,7 +126,10 @@ def calls(gateway: tuple[str, int], exported: tuple[Path, Path, str]) -> None:
 
 
 def test_endpoint_counts_the_tests_own_calls(
-    gateway: tuple[str, int], calls: None, exported: tuple[Path, Path, str]
+    gateway: tuple[str, int],
+    calls: None,
+    exported: tuple[Path, Path, str],
+    torchserve: tuple[TorchServeConfig, subprocess.Popen[bytes]],
 ) -> None:
     got = scrape(f"http://127.0.0.1:{gateway[1]}/metrics")
 
@@ -120,6 +141,7 @@ def test_endpoint_counts_the_tests_own_calls(
     assert value("requests_total", method=SCORE, code="UNAUTHENTICATED") == N_UNAUTH
     assert value("request_seconds_count", method=SCORE) == N_OK + N_INVALID + N_UNAUTH
     assert value("rejections_total", reason="invalid") == N_INVALID
+    assert value("rejections_total", reason="unauthenticated") == N_UNAUTH
     assert value("examples_per_request_count") == N_OK
     assert value("examples_per_request_sum") == N_OK * EXAMPLES
     assert value("backend_call_examples_sum") == N_OK * EXAMPLES  # probes do not count
@@ -128,8 +150,13 @@ def test_endpoint_counts_the_tests_own_calls(
     schema = Schema.load(exported[0] / "schema.json")
     info = {"model_name": schema.model_name, "model_version": schema.model_version}
     assert value("model_info", **info) == 1
-    healthy = [v for (n, _), v in got.items() if n == "recsys_gateway_backend_healthy"]
-    assert healthy == [1.0]
+    healthy = {
+        dict(labels)["backend"]: v
+        for (n, labels), v in got.items()
+        if n == "recsys_gateway_backend_healthy"
+    }
+    assert sorted(healthy.values()) == [0.0, 1.0]  # the live TorchServe, the dead port
+    assert healthy[torchserve[0].grpc_inference_target] == 1.0
 
 
 # --- a real Prometheus ------------------------------------------------------------------------
