@@ -12,6 +12,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,12 @@ class Cell:
     errors: int = 0
     first_error: str = ""
     rounds_examples_per_s: list[float] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds each server process group spent in this cell's timed calls."""
+
+    def add_cpu(self, spent: dict[str, float]) -> None:
+        for part, seconds in spent.items():
+            self.cpu_s[part] = self.cpu_s.get(part, 0.0) + seconds
 
     def add(self, latencies_ms: list[float], wall_s: float, errors: list[str]) -> None:
         self.latencies_ms += latencies_ms
@@ -41,7 +48,7 @@ class Cell:
         self.first_error = self.first_error or (errors[0] if errors else "")
         self.rounds_examples_per_s.append(len(latencies_ms) * self.examples / wall_s)
 
-    def figures(self) -> dict[str, float | int]:
+    def figures(self) -> dict[str, Any]:
         ms = np.asarray(self.latencies_ms or [math.nan])
         done = len(self.latencies_ms)
         return {
@@ -51,6 +58,7 @@ class Cell:
             "examples_per_s": done * self.examples / self.wall_s if self.wall_s else 0.0,
             "requests_per_s": done / self.wall_s if self.wall_s else 0.0,
             "errors": self.errors,
+            "cpu_ms_per_request": {part: 1e3 * s / done for part, s in self.cpu_s.items() if done},
         }
 
 

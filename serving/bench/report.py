@@ -2,7 +2,9 @@
 
 ``vs plain`` divides by ``plain-torchserve`` at the same cell (examples/s: higher is better;
 p50: lower is better); ``efficiency`` = examples/s / ``in-process`` examples/s at the same
-request size (in-process runs one caller: the floor's rate on a worker's threads).
+request size (in-process runs one caller: the floor's rate on a worker's threads). ``server
+CPU ms/req``: CPU time the servers' process groups (gateway; TorchServe's launcher, Java
+frontend and workers) spent during the cell's timed calls, per request: where the time goes.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ def _ratio(value: float, other: dict[str, Any] | None, key: str) -> float | None
     return value / other[key] if other and other[key] else None
 
 
+def _cpu(row: dict[str, Any]) -> str:
+    """Server CPU per request, by process group: ``gateway 0.9 + torchserve 2.1``."""
+    parts = row.get("cpu_ms_per_request") or {}
+    return " + ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items())) or "-"
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -45,6 +53,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'examples':>8} {'conc':>4}  {'method':<17} {'p50 ms':>8} {'p99 ms':>8} {'examples/s':>11}"
         f" {'req/s':>8} {'ex/s vs plain':>13} {'p50 vs plain':>12} {'efficiency':>10} {'errors':>6}"
+        f"  {'server CPU ms/req':<24}"
     )
     lines = [head, "-" * len(head)]
     last = None
@@ -56,7 +65,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['examples']:>8} {r['concurrency']:>4}  {r['method']:<17} {r['p50_ms']:>8.2f}"
             f" {r['p99_ms']:>8.2f} {r['examples_per_s']:>11,.0f} {r['requests_per_s']:>8,.1f}"
             f" {_fmt(r['examples_per_s_vs_plain'], '.2f'):>13} {_fmt(r['p50_vs_plain'], '.2f'):>12}"
-            f" {_fmt(r['efficiency'], '.2f'):>10} {r['errors']:>6}"
+            f" {_fmt(r['efficiency'], '.2f'):>10} {r['errors']:>6}  {_cpu(r):<24}"
         )
     for r in rows:
         if r["errors"]:

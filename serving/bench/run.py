@@ -67,13 +67,29 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
     for x, connect in connects.items() if cfg.warmup else ():
         for p in payloads.values():
             run_cell(connect, p, 1 if x == FLOOR else min(4, max(cfg.concurrency)), cfg.warmup)
+    servers_of = _servers_of(up.get("procs", {}))
     with progress(total=cfg.rounds * len(cells), desc="cells", unit="cell") as bar:
         for _ in range(cfg.rounds):
             for (x, n, c), cell in cells.items():  # methods innermost: interleaved per cell
+                parts = servers_of.get(x, {})
+                before = {k: servers.cpu_seconds(p) for k, p in parts.items()}
                 cell.add(*run_cell(connects[x], payloads[n], c, cfg.requests))
+                cell.add_cpu({k: servers.cpu_seconds(p) - before[k] for k, p in parts.items()})
                 bar.update(1)
     settings["loadavg_before"], settings["loadavg_after"] = load_before, os.getloadavg()
     return {"results": results(list(cells.values())), "settings": settings}
+
+
+def _servers_of(procs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The server process groups whose CPU each method's calls cost (the clients run here)."""
+    out: dict[str, dict[str, Any]] = {}
+    if "plain" in procs:
+        out["plain-torchserve"] = {"torchserve": procs["plain"]}
+    if "stack" in procs:
+        out["torchserve-grpc"] = {"torchserve": procs["stack"]}
+        if "gateway" in procs:
+            out["gateway"] = {"gateway": procs["gateway"], "torchserve": procs["stack"]}
+    return out
 
 
 def _connects(

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from recsys_stack.net import free_ports
 from serving.config import GatewayConfig
 from serving.supervisor import launch_gateway, wait_serving
@@ -141,18 +143,37 @@ def start_all(
         mar = archive_plain(model.artifact, store)
         plain = on_free_ports(TorchServeConfig(
             model_store=store, mar_file=mar, model_name=PLAIN[0], model_version=PLAIN[1],
-            workdir=work / "plain-ts",
+            workdir=work / "plain-ts", log_config="default",  # the peer: TorchServe's logging
         ))  # fmt: skip
         started.append(("plain", plain, start_plain(plain, plain_threads, stack)))
     if want_stack:
         stack_ts = on_free_ports(dataclasses.replace(ts, workdir=work / "stack-ts"))
         started.append(("stack", stack_ts, start_stack_torchserve(stack_ts, stack)))
+    procs: dict[str, subprocess.Popen[bytes]] = {}
     for key, cfg, proc in started:
         wait_all_workers(cfg, proc, timeout)
         out[key] = cfg
+        procs[key] = proc
     if want_gateway:
         gcfg, gw = start_gateway(gcfg, out["stack"], model.export / "schema.json",
                                  work / "gateway.log", stack)  # fmt: skip
         wait_serving(f"127.0.0.1:{gcfg.port}", gw, timeout)
         out["gateway"] = gcfg
+        procs["gateway"] = gw
+    out["procs"] = procs
     return out
+
+
+def cpu_seconds(proc: subprocess.Popen[bytes]) -> float:
+    """User + system CPU seconds of ``proc`` and its live descendants (TorchServe: launcher,
+    Java frontend, Python workers)."""
+    total = 0.0
+    try:
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+    except psutil.Error:
+        pass
+    return total

@@ -77,6 +77,10 @@ class TorchServeConfig:
     direct callers fill it; a deeper queue would hold calls past any caller's deadline."""
     max_request_bytes: int = 16 * 1024 * 1024
     """Largest request body (REST and gRPC); TorchServe's 6.5 MB default is ~25k examples."""
+    log_config: str = env_field("RECSYS_TS_LOG_CONFIG", "lean")
+    """TorchServe's log4j2 configuration: ``lean`` (serving/torchserve/log4j2.xml: one stream,
+    no per-request lines from the Java frontend, which measured as its largest per-request
+    cost), ``default`` (TorchServe's own: access, DEBUG and metrics logs), or a file path."""
     token_expiration_min: float = 60 * 24 * 365
     """Lifetime of the keys in key_file.json; TorchServe's default (60 min) would lock out a
     gateway that read the key once, so a long-lived instance gets a long-lived key."""
@@ -106,6 +110,19 @@ class TorchServeConfig:
     @property
     def grpc_inference_target(self) -> str:
         return f"{self.host}:{self.grpc_inference_port}"
+
+
+LEAN_LOG_CONFIG = Path(__file__).with_name("log4j2.xml")
+
+
+def log_config_file(cfg: TorchServeConfig) -> Path | None:
+    """The log4j2 file ``--log-config`` gets (None: TorchServe's default)."""
+    if cfg.log_config == "default":
+        return None
+    path = LEAN_LOG_CONFIG if cfg.log_config == "lean" else Path(cfg.log_config)
+    if not path.is_file():
+        raise FileNotFoundError(f"log_config: {path} not found (lean, default or a file)")
+    return path.resolve()
 
 
 def newest_mar(store: Path) -> str:

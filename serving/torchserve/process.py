@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil  # a TorchServe dependency
 
-from serving.torchserve.config import TorchServeConfig, write_properties
+from serving.torchserve.config import TorchServeConfig, log_config_file, write_properties
 from serving.torchserve.keys import read_keys
 
 logger = logging.getLogger(__name__)
@@ -32,11 +32,13 @@ LOAD_FAILURES_FATAL = 3
 
 def torchserve_command(cfg: TorchServeConfig, properties: Path) -> list[str]:
     exe = Path(sys.executable).parent / "torchserve"
+    log_config = log_config_file(cfg)
     return [
         str(exe if exe.exists() else "torchserve"),
         "--start", "--foreground", "--ncs",
         "--model-store", str(cfg.model_store.resolve()),
         "--ts-config", str(properties.resolve()),
+        *(["--log-config", str(log_config)] if log_config else []),
     ]  # fmt: skip
 
 
