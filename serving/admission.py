@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from serving import metrics
 from serving.errors import ScoreError
 
 # weight of the newest backend call in the latency average: ~the last 10 calls matter
@@ -52,6 +53,7 @@ class Admission:
         a request be refused before the work of decoding it."""
         if self.in_flight and self.in_flight + examples > self.max_examples:
             self.refused += 1
+            metrics.rejected("overload")
             raise ScoreError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"overloaded: {self.in_flight} examples in flight, the limit is "
@@ -59,6 +61,7 @@ class Admission:
             )
         if time_remaining is not None and time_remaining < self.latency_s:
             self.refused += 1
+            metrics.rejected("deadline")
             raise ScoreError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"the remaining deadline ({time_remaining * 1e3:.1f} ms) is shorter than the "
@@ -92,6 +95,7 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
         async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
             self.admission.refused += 1
+            metrics.rejected("overload")
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"overloaded: {self.admission.in_flight} examples in flight, the limit is "

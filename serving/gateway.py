@@ -116,8 +116,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             # refused before the work of decoding when num_examples alone says so
             claimed = min(peek_examples(data), self.cfg.limits.max_examples)  # more: invalid
             self.admission.check(claimed, context.time_remaining())
-        except ScoreError as e:
-            metrics.rejected("overload")
+        except ScoreError as e:  # counted by the admission rule that refused it
             await context.abort(e.code, e.message)
         try:
             if len(data) > OFFLOAD_BYTES:  # numpy releases the GIL: the loop serves others

@@ -47,7 +47,10 @@ def gateway(
     tokens.write_text(TOKEN + "\n")
     proc, target = start_gateway(
         exported[0] / "schema.json", [torchserve[0]], work / "gw.log",
-        limits=Limits(max_examples=PARITY_ROWS), deadline_s=10.0,  # 2,000 rows on a loaded box
+        # 2,000 rows of one id per feature: the largest request these limits allow must fit
+        # TorchServe's body limit (the gateway checks at start)
+        limits=Limits(max_examples=PARITY_ROWS, max_ids_per_feature=8),
+        deadline_s=10.0,  # 2,000 rows on a loaded box
         auth=AuthConfig(token_file=str(tokens)),
     )  # fmt: skip
     try:
