@@ -48,8 +48,19 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
         model_name=model.name, model_version=model.version,
     )  # fmt: skip
     chosen: list[str] = [x for x in METHODS if x in cfg.methods]
+    # The benchmark measures what the servers do with the load it offers: the gateway's
+    # admission budget covers the largest cell, so no call is refused as overload (plain
+    # TorchServe queues them too). Overload behaviour has its own test (test_overload.py).
+    need = max(cfg.sizes) * max(cfg.concurrency)
+    limits = cfg.gateway.limits
+    if limits.max_inflight_examples < need:
+        gateway_cfg = dataclasses.replace(
+            cfg.gateway, limits=dataclasses.replace(limits, max_inflight_examples=need)
+        )
+    else:
+        gateway_cfg = cfg.gateway
     up = servers.start_all(
-        model, ts, cfg.gateway, work, cfg.startup_timeout_s, stack,
+        model, ts, gateway_cfg, work, cfg.startup_timeout_s, stack,
         plain_threads=cfg.plain_threads if "plain-torchserve" in chosen else None,
         want_stack=bool({"torchserve-grpc", "gateway"} & set(chosen)),
         want_gateway="gateway" in chosen,
