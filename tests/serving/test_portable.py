@@ -126,7 +126,7 @@ def test_torchserve_serves_the_portable_variant_when_configured(
                 body = encode_request(*slice_examples(*x, lo, hi))
                 got = decode_response(score(channel, model, body, 30, key))
                 np.testing.assert_allclose(got, s["probs_portable"][lo:hi], atol=1e-6)
-        log = (cfg.workdir / "logs" / "model_log.log").read_text()
+        log = cfg.log_file.read_text(errors="replace")  # the worker's lines: TorchServe's stdout
         assert "variant portable (model_portable.pt) on cpu" in log
 
 

@@ -156,9 +156,9 @@ def test_predictions_match_the_export(
 
 
 def _batches(cfg: TorchServeConfig) -> int:
-    """handle() calls so far: the worker logs one line per batch it receives."""
-    log = cfg.workdir / "logs" / "model_log.log"
-    return log.read_text().count("Backend received inference at")
+    """handle() calls so far: the worker logs one line per batch it receives (the worker's
+    lines reach TorchServe's stdout, cfg.log_file, with any log_config)."""
+    return cfg.log_file.read_text(errors="replace").count("Backend received inference at")
 
 
 @pytest.mark.slow
