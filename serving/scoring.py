@@ -61,10 +61,11 @@ def slice_examples(
 
 def variant_of(schema: dict[str, Any], artifact: str) -> dict[str, Any]:
     """The schema's record of ``artifact`` (older schemas: a TorchRec TorchScript file)."""
+    torchrec = {"kind": "torchscript", "requires": ["torch", "fbgemm_gpu"]}
     for info in schema.get("variants", {}).values():
         if info.get("file") == artifact:
-            return dict(info)
-    return {"file": artifact, "kind": "torchscript", "requires": ["torch", "fbgemm_gpu"]}
+            return {**torchrec, **info}  # entries written before "requires" existed: TorchRec's
+    return {"file": artifact, **torchrec}
 
 
 def load_artifact(

@@ -155,3 +155,15 @@ def test_make_gpu_check_runs_its_cpu_half_with_torch_alone(
     for name in ("portable", "portable_fp16", "portable_pt2", "rebuilt"):
         assert f"ok   cpu {name} " in out, name
     assert "batch 512" in out and out.rstrip().endswith("gpu-check: ok")
+
+
+def test_exports_from_before_variant_requirements_still_load_fbgemm() -> None:
+    """A schema written before variants recorded "requires" names TorchRec files only: they
+    need fbgemm (an export of the previous release would not load otherwise)."""
+    from serving.scoring import variant_of
+
+    old = {"variants": {"int8": {"file": "model_int8.pt", "bytes": 1, "sha256": "x"}}}
+    assert "fbgemm_gpu" in variant_of(old, "model_int8.pt")["requires"]
+    assert "fbgemm_gpu" in variant_of({}, "model_fp32.pt")["requires"]
+    new = {"variants": {"portable": {"file": "p.pt", "kind": "torchscript", "requires": ["torch"]}}}
+    assert variant_of(new, "p.pt")["requires"] == ["torch"]
