@@ -52,21 +52,31 @@ class Admission:
         """Raise :class:`ScoreError` when :meth:`admit` would refuse (reserves nothing): lets
         a request be refused before the work of decoding it."""
         if self.in_flight and self.in_flight + examples > self.max_examples:
-            self.refused += 1
-            metrics.rejected("overload")
-            raise ScoreError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"overloaded: {self.in_flight} examples in flight, the limit is "
-                f"{self.max_examples}; retry with backoff",
-            )
+            raise self.refusal()
         if time_remaining is not None and time_remaining < self.latency_s:
-            self.refused += 1
-            metrics.rejected("deadline")
-            raise ScoreError(
+            raise self.refusal(
+                "deadline",
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"the remaining deadline ({time_remaining * 1e3:.1f} ms) is shorter than the "
                 f"backends' recent latency ({self.latency_s * 1e3:.1f} ms)",
             )
+
+    def refusal(
+        self,
+        reason: str = "overload",
+        code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED,
+        message: str = "",
+    ) -> ScoreError:
+        """A refusal, counted (here and in the rejections metric by ``reason``); the default
+        is the overload one."""
+        self.refused += 1
+        metrics.rejected(reason)
+        return ScoreError(
+            code,
+            message
+            or f"overloaded: {self.in_flight} examples in flight, the limit is "
+            f"{self.max_examples}; retry with backoff",
+        )
 
     def full(self, largest: int) -> bool:
         """No room left for a request of ``largest`` examples."""
@@ -94,13 +104,8 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self.largest = largest
 
         async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
-            self.admission.refused += 1
-            metrics.rejected("overload")
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"overloaded: {self.admission.in_flight} examples in flight, the limit is "
-                f"{self.admission.max_examples}; retry with backoff",
-            )
+            e = self.admission.refusal()
+            await context.abort(e.code, e.message)
 
         self._refuse = grpc.stream_unary_rpc_method_handler(refuse)
 

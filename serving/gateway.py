@@ -91,7 +91,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         try:
             if self.coalescer is not None:
                 return await self.coalescer.score(arrays, time_remaining)
-            metrics.backend_call(1, arrays[0].shape[0])
+            metrics.backend_call(1, examples)
             return await self._send(arrays, time_remaining)
         except BackendError as e:
             raise ScoreError(e.code, e.message) from e

@@ -27,6 +27,7 @@ import numpy as np
 
 from serving import metrics
 from serving.errors import ScoreError
+from serving.rpc import add_servicer
 from serving.stubs import kserve_pb2, kserve_pb2_grpc
 from serving.validate import InvalidRequest, Schema, validate_arrays
 
@@ -231,4 +232,5 @@ class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc
 
 def add_to_server(ranker: Ranker, server: grpc.aio.Server) -> None:
     """Register the KServe v2 service for ``ranker``'s model on ``server``."""
-    kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServe(ranker), server)
+    # bytes that are no message: INVALID_ARGUMENT, as for Score (serving/rpc.py)
+    add_servicer(server, kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, KServe(ranker))

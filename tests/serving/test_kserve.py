@@ -308,3 +308,17 @@ def test_the_reply_takes_the_requests_form() -> None:
         )
         np.testing.assert_array_equal(got, scores)
         assert reply.model_version == "7" and list(reply.outputs[0].shape) == [2]
+
+
+def test_bytes_that_are_no_infer_request_are_invalid_argument(stack: Stack) -> None:
+    """The same registration as Score (serving/rpc.py): not UNKNOWN DecodeError."""
+    with grpc.insecure_channel(stack.target) as channel:
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=None,
+            response_deserializer=None,
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            infer(b"\xff\xff\xff\xff", timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert "inference.ModelInferRequest" in (e.value.details() or "")
