@@ -4,11 +4,19 @@ Layout under ``<run>/checkpoints/``::
 
     step_00000100/          complete: DCP shards + .metadata, meta.json, plan.json
     step_00000200.partial/  being written (or left by a killed save; ignored, then removed)
+    step_00000100.old/      the previous step_00000100 while a re-save of that step swaps in
     latest                  text file naming the newest complete step directory
 
 Every rank writes its own shards into ``step_N.partial``; only after DCP has written the
 metadata and every rank has passed a barrier does rank 0 rename the directory and replace
 ``latest`` atomically. A save killed at any point leaves ``latest`` on the previous one.
+
+Re-saving a step that exists (a resumed run redoing steps) is built aside the same way, then
+swapped in with two renames: ``step_N`` -> ``step_N.old``, ``step_N.partial`` -> ``step_N``,
+and only then is ``step_N.old`` deleted. ``latest`` keeps naming ``step_N`` throughout;
+:func:`read_latest` takes ``step_N.old`` while ``step_N`` is missing or incomplete, so at every
+instant ``latest`` resolves to a complete checkpoint (the old one until the second rename, the
+new one after). The next save puts back or deletes whatever an interrupted swap left.
 
 Loading goes through DCP, which reshards onto whatever world size and plan the resuming job
 has. One state TorchRec does not reshard by itself: the row-wise Adagrad accumulator of a
@@ -22,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import time
@@ -45,6 +54,8 @@ LATEST = "latest"
 META = "meta.json"
 PLAN = "plan.json"
 PARTIAL = ".partial"
+OLD = ".old"  # the replaced copy of a step during a re-save's swap
+_STEP_DIR = re.compile(r"^step_\d+$")
 # Fault injection for the crash-during-save test: rank 0 SIGKILLs itself after every rank has
 # written its shards and before the directory is renamed (the most delicate moment).
 KILL_IN_SAVE_ENV = "RECSYS_TEST_KILL_IN_SAVE_AT_STEP"
@@ -115,7 +126,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     """Complete step directories, oldest first."""
     if not root.is_dir():
         return []
-    dirs = [p for p in root.iterdir() if p.name.startswith("step_") and p.suffix != PARTIAL]
+    dirs = [p for p in root.iterdir() if _STEP_DIR.match(p.name)]  # not .partial, not .old
     return sorted((p for p in dirs if is_complete(p)), key=lambda p: p.name)
 
 
@@ -132,6 +143,7 @@ def save(
     tmp = root / (final.name + PARTIAL)
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
+        _recover(root)
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
     t0 = time.perf_counter()
@@ -147,15 +159,38 @@ def save(
                 "%s: killing rank 0 during the save of step %d", KILL_IN_SAVE_ENV, progress.step
             )
             os.kill(os.getpid(), signal.SIGKILL)
-        if final.exists():  # re-saving a step after a resume: the new one replaces it
-            shutil.rmtree(final)
+        old = _aside(final)
+        if final.exists():  # re-saving a step after a resume: swap the new one in (see top)
+            os.replace(final, old)  # latest, if it names final, resolves to old meanwhile
+            _fsync_dir(root)
         os.replace(tmp, final)
         _fsync_dir(root)
         _write_atomic(root / LATEST, final.name + "\n")
+        shutil.rmtree(old, ignore_errors=True)
         _prune(root, keep_last)
         logger.info("checkpoint %s saved in %.1fs", final, time.perf_counter() - t0)
     _barrier()
     return final
+
+
+def _aside(step_dir: Path) -> Path:
+    return step_dir.with_name(step_dir.name + OLD)
+
+
+def _recover(root: Path) -> None:
+    """Finish what an interrupted re-save left: ``step_N.old`` goes back to ``step_N`` when that
+    is missing or incomplete (the swap stopped between its renames), else it is deleted."""
+    for old in root.glob("step_*" + OLD):
+        final = old.with_name(old.name[: -len(OLD)])
+        if not _STEP_DIR.match(final.name) or not old.is_dir():
+            continue
+        if is_complete(final) or not is_complete(old):
+            shutil.rmtree(old, ignore_errors=True)
+            continue
+        logger.warning("%s: restoring the checkpoint an interrupted re-save moved aside", final)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(old, final)
+    _fsync_dir(root)
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -173,6 +208,10 @@ def read_latest(root: Path) -> Path | None:
     if not pointer.is_file():
         return None
     target = root / pointer.read_text().strip()
+    if not is_complete(target) and is_complete(_aside(target)):
+        # A re-save of this step was interrupted between its two renames (or is swapping
+        # right now): the previous copy, moved aside, is the complete one.
+        return _aside(target)
     if not is_complete(target):
         raise CheckpointError(
             f"{pointer} names {target.name}, which is missing or incomplete; "

@@ -2,8 +2,14 @@
 
 :func:`run_export` (``python -m training.export --run-dir runs/demo``, see ``__main__``) writes ``<run>/export/`` (``model_fp32.pt``, ``model_<quant>.pt``, ``schema.json``,
 ``parity.json``, ``sample.npz``) and ``model_store/<name>-<version>.mar``. Everything is built
-in a temporary folder and moved into place only when parity holds (or ``--force`` is given and
-recorded), so a failed export leaves the previous export and the model store untouched.
+aside first: the export directory in ``<run>/.export.tmp-<pid>``, the .mar (archived from that
+folder) in ``<model_store>/.export-<pid>/``. Only when parity holds (or ``--force`` is given and
+recorded) and the archive is built are they swapped in: the old export directory is renamed
+aside, the new one renamed in, the .mar moved over the old one with ``os.replace``, then the old
+directory deleted. A failure at any step (the archiver included) leaves the previous export and
+the previous .mar untouched and removes the partial files, so ``schema.json`` never names a
+version whose .mar is missing. An export killed between the two directory renames leaves the
+old one in ``<run>/.export.old-<pid>``; the next export puts it back before starting.
 """
 
 from __future__ import annotations
@@ -231,6 +237,45 @@ def fastest_cpu(
     return min(ok, key=lambda v: latency[v][LATENCY_BATCH]["p50_ms"], default=None)
 
 
+def _swap_in(
+    tmp: Path, final: Path, aside: Path, built: Path | None, target: Path | None
+) -> Path | None:
+    """Move the export built in ``tmp`` to ``final`` and the .mar ``built`` to ``target``.
+
+    The previous export is renamed to ``aside`` (not deleted) until the .mar is in place; a
+    failure before that puts it back, so the export directory and the .mar change together.
+    """
+    had_old = final.exists()
+    if had_old:
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    try:
+        os.replace(tmp, final)
+        if built is not None and target is not None:
+            os.replace(built, target)
+    except BaseException:
+        if had_old:
+            if final.exists():
+                shutil.rmtree(final, ignore_errors=True)
+            os.replace(aside, final)
+        raise
+    if had_old:
+        shutil.rmtree(aside, ignore_errors=True)
+    return target
+
+
+def _recover_export(final: Path) -> None:
+    """Put back the export an interrupted swap left aside (``.export.old-<pid>``) when no
+    export directory is in place; delete such leftovers otherwise."""
+    olds = sorted(final.parent.glob(".export.old-*"), key=lambda p: p.stat().st_mtime)
+    for old in reversed(olds):  # the newest first
+        if not final.exists() and (old / "schema.json").is_file():
+            logger.warning("%s: restoring the export an interrupted swap moved aside", final)
+            os.replace(old, final)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def run_export(ecfg: ExportConfig) -> dict[str, Any]:
     """The whole export; returns a summary (paths, sizes, parity, latency)."""
     ckpt = resolve_checkpoint(ecfg.run_dir, ecfg.checkpoint)
@@ -247,9 +292,13 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
     served = variants[-1]
 
     final = run_dir / "export"
+    _recover_export(final)
     tmp = run_dir / f".export.tmp-{os.getpid()}"
+    aside = run_dir / f".export.old-{os.getpid()}"
+    staging = ecfg.model_store / f".export-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    mar = None
     try:
         files: dict[str, Path] = {}
         for v in variants:
@@ -300,20 +349,23 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
         np.savez(tmp / "sample.npz", **arrays_out)  # type: ignore[arg-type]
         schema = build_schema(ecfg, cfg, meta, ckpt, files, parity, served, fastest)
         (tmp / "schema.json").write_text(json.dumps(schema, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        built = None
+        if ecfg.archive:  # from the folder built aside, into a staging folder in the store
+            ecfg.model_store.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+            built = archive(
+                tmp, files[served].name, ecfg.handler,
+                [tmp / "schema.json", tmp / "parity.json"]
+                + [tmp / PORTABLE[v][0] for v in MAR_PORTABLE if v in files and v != served]
+                + [ecfg.handler.parent / m for m in HANDLER_MODULES],
+                staging, ecfg.name, ecfg.version, True,
+            )  # fmt: skip
+            # Checked again right before the swap: another export may have taken the version.
+            check_target(ecfg.model_store, ecfg.name, ecfg.version, ecfg.overwrite)
+        mar = _swap_in(tmp, final, aside, built, ecfg.model_store / built.name if built else None)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    mar = None
-    if ecfg.archive:
-        mar = archive(
-            final, files[served].name, ecfg.handler,
-            [final / "schema.json", final / "parity.json"]
-            + [final / PORTABLE[v][0] for v in MAR_PORTABLE if v in files and v != served]
-            + [ecfg.handler.parent / m for m in HANDLER_MODULES],
-            ecfg.model_store, ecfg.name, ecfg.version, ecfg.overwrite,
-        )  # fmt: skip
+        shutil.rmtree(staging, ignore_errors=True)
     return {
         "export_dir": str(final),
         "mar": str(mar) if mar else None,
