@@ -89,6 +89,15 @@ CHAOS_ARGS ?=
 chaos: setup  ## RUN's export on 2 replicas + gateway under Locust, a fault every 20 s for 2 min: OUT/report.json, chaos.png
 	$(PY) -m loadtest.chaos --gateway.schema $(RUN)/export/schema.json --out $(OUT) $(CHAOS_ARGS)
 
+.PHONY: rollout rollback
+ROLLOUT_ARGS ?=
+EVAL_DATA ?= $(firstword $(wildcard data/synthetic/*.tsv))
+rollout: setup  ## roll VERSION out on the running stack: register, evaluate vs the default on EVAL_DATA, 5->50->100%, promote, drain
+	$(PY) -m serving.rollout $(if $(VERSION),--version $(VERSION)) $(if $(EVAL_DATA),--eval-data $(EVAL_DATA)) $(ROLLOUT_ARGS)
+
+rollback: setup  ## return the running stack to the previous default version (no failed request)
+	$(PY) -m serving.rollout --rollback $(ROLLOUT_ARGS)
+
 .PHONY: evaluate
 evaluate: setup  ## score a labelled Criteo TSV (DATA) through the gateway [VERSION=]: AUC, NE, log loss, calibration -> OUT (JSON + PNG)
 	$(PY) -m serving.evaluate $(if $(DATA),--data $(DATA)) $(if $(VERSION),--version $(VERSION)) --out $(OUT) $(EVALUATE_ARGS)

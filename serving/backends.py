@@ -100,11 +100,17 @@ class Backend:
     keys: KeySource
     channel: grpc.aio.Channel
     stub: Any
-    healthy: bool = False
+    ready: dict[str, bool] = field(default_factory=dict)
+    """Per model version: in rotation (its last probe passed and no outage since)."""
     calls: int = field(default=0)
     in_flight: int = 0
-    problem: str = ""
-    """Why the last probe failed ("" = it passed)."""
+    problems: dict[str, str] = field(default_factory=dict)
+    """Per model version: why its last probe failed (absent = it passed)."""
+
+    @property
+    def healthy(self) -> bool:
+        """In rotation for at least one version."""
+        return any(self.ready.values())
 
 
 class BackendPool:
@@ -129,23 +135,36 @@ class BackendPool:
         self.model_name = model_name
         self.deadline_s = deadline_s
         self.deadline_per_mb_s = deadline_per_mb_s
+        self.cordoned: frozenset[str] = frozenset()
+        """Targets used only when no other backend is in rotation (the serving plan's
+        ``cordon``: a replica busy loading a version)."""
         self._next = 0
 
-    def pick(self, tried: set[int]) -> int | None:
-        """The next backend not yet tried: healthy ones first; among them the one with the
-        fewest calls in flight (a replica that hangs, e.g. paused, holds only the calls it
-        already has), round robin between equals."""
+    def ready(self, version: str) -> bool:
+        """At least one backend is in rotation for ``version``."""
+        return any(b.ready.get(version, False) for b in self.backends)
+
+    def pick(self, tried: set[int], version: str) -> int | None:
+        """The next backend not yet tried: those in rotation for ``version`` first; among them
+        the one with the fewest calls in flight (a replica that hangs, e.g. paused, holds only
+        the calls it already has), round robin between equals; cordoned ones only when no
+        other is in rotation."""
         n = len(self.backends)
         order = [(self._next + k) % n for k in range(n)]
-        for wanted in (True, False):
+        for rank in (0, 1, 2):  # in rotation and not cordoned; in rotation; any
             candidates = [
-                i for i in order if i not in tried and (self.backends[i].healthy or not wanted)
+                i for i in order if i not in tried and self._rank(self.backends[i], version) <= rank
             ]
             if candidates:
                 i = min(candidates, key=lambda j: self.backends[j].in_flight)
                 self._next = (i + 1) % n
                 return i
         return None
+
+    def _rank(self, backend: Backend, version: str) -> int:
+        if not backend.ready.get(version, False):
+            return 2
+        return 1 if backend.target in self.cordoned else 0
 
     def timeout(self, body_bytes: int) -> float:
         """The backend deadline of a call: larger bodies take longer to move and score."""
@@ -161,7 +180,7 @@ class BackendPool:
         end = None if time_remaining is None else loop.time() + time_remaining
         tried: set[int] = set()
         last: BackendError | None = None
-        while (i := self.pick(tried)) is not None:
+        while (i := self.pick(tried, version)) is not None:
             tried.add(i)
             backend = self.backends[i]
             left = None if end is None else end - loop.time()
@@ -184,9 +203,11 @@ class BackendPool:
                 backend.in_flight -= 1
             if last.code != grpc.StatusCode.UNAVAILABLE:
                 raise last
-            if backend.healthy:
-                logger.warning("backend %s out of rotation: %s", backend.target, last.message)
-            backend.healthy = False
+            if backend.ready.get(version, False):
+                logger.warning(
+                    "backend %s out of rotation for v%s: %s", backend.target, version, last.message
+                )
+            backend.ready[version] = False
             if not last.retry:
                 raise last
             metrics.failover(backend.target)
@@ -209,23 +230,36 @@ class BackendPool:
             problem = probe_problem(bytes(reply.prediction))
         except (grpc.aio.AioRpcError, KeyFileError) as e:
             problem = str(e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
-        if problem and problem != backend.problem:
-            logger.warning("backend %s fails its probe: %s", backend.target, problem)
-        backend.problem = problem
+        if problem and problem != backend.problems.get(version):
+            logger.warning(
+                "backend %s fails its probe of v%s: %s", backend.target, version, problem
+            )
+        if problem:
+            backend.problems[version] = problem
+        else:
+            backend.problems.pop(version, None)
         return not problem
 
-    async def refresh(self, version: str, dense: int, sparse: int) -> bool:
-        """Probe every backend once; True when at least one is healthy."""
-        results = await asyncio.gather(
-            *(self.probe(b, version, dense, sparse) for b in self.backends)
-        )
-        for backend, ok in zip(self.backends, results, strict=True):
-            if ok != backend.healthy:
+    async def refresh(self, versions: Sequence[str], dense: int, sparse: int) -> bool:
+        """Probe every backend for every version once (versions no longer listed leave
+        rotation); True when at least one backend is in rotation for ``versions[0]`` (the
+        default)."""
+        pairs = [(b, v) for b in self.backends for v in versions]
+        results = await asyncio.gather(*(self.probe(b, v, dense, sparse) for b, v in pairs))
+        for (backend, version), ok in zip(pairs, results, strict=True):
+            if ok != backend.ready.get(version, False):
                 logger.info(
-                    "backend %s %s", backend.target, "in rotation" if ok else "out of rotation"
+                    "backend %s %s for v%s",
+                    backend.target,
+                    "in rotation" if ok else "out of rotation",
+                    version,
                 )
-            backend.healthy = ok
-        return any(results)
+            backend.ready[version] = ok
+        for backend in self.backends:
+            for gone in set(backend.ready) - set(versions):
+                del backend.ready[gone]
+                backend.problems.pop(gone, None)
+        return self.ready(versions[0])
 
     async def close(self) -> None:
         for b in self.backends:

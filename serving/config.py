@@ -89,7 +89,12 @@ class GatewayConfig:
     """The gRPC gateway in front of one or more TorchServe replicas."""
 
     schema: Path = Path("runs/demo/export/schema.json")
-    """The exported model's schema.json (feature names and order, model name and version)."""
+    """The exported model's schema.json: the request contract (feature names and order) and
+    model name every version shares; its version is the one served when ``plan`` is empty."""
+    plan: str = env_field("RECSYS_SERVING_PLAN", "")
+    """Serving plan file (serving/plan.py: versions, default, traffic shares), re-read when it
+    changes; written by ``make serve``, ``make rollout`` and ``make rollback``. Empty = the one
+    version of ``schema``."""
     host: str = env_field("RECSYS_GATEWAY_HOST", "127.0.0.1")
     """Bind address (0.0.0.0 to serve other hosts, as in a container)."""
     port: int = env_field(GATEWAY_PORT_ENV, GATEWAY_PORT)

@@ -11,11 +11,13 @@ slow, INTERNAL only for what can only be a bug.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -24,6 +26,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from recsys_stack.config import ConfigError, parse
 from serving import kserve, metrics
+from serving import plan as plan_io
 from serving.admission import Admission, AdmissionInterceptor
 from serving.auth import AuthError, check_exposure, server_credentials
 from serving.auth import interceptors as auth_interceptors
@@ -32,6 +35,8 @@ from serving.coalesce import Arrays, Coalescer, Expired, ScoreCountError
 from serving.codec import HEADER, CodecError, body_bytes, decode_response, encode_request
 from serving.config import GatewayConfig
 from serving.errors import ScoreError
+from serving.plan import Plan, PlanError, ordered
+from serving.plan import Version as PlanVersion
 from serving.rpc import add_servicer
 from serving.stubs import kserve_pb2, ranker_pb2, ranker_pb2_grpc, reflection_pool
 from serving.torchserve.keys import KeyFileError, read_keys
@@ -48,26 +53,60 @@ OFFLOAD_BYTES = 256 * 1024
 
 
 class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
-    def __init__(self, cfg: GatewayConfig, schema: Schema, pool: BackendPool) -> None:
+    def __init__(self, cfg: GatewayConfig, schema: Schema, pool: BackendPool, plan: Plan) -> None:
         self.cfg = cfg
-        self.schema = schema
+        self.schema = schema  # the request contract, shared by every version of the plan
         self.pool = pool
+        self.plan = plan
         c = cfg.coalesce
-        slots = c.calls_per_backend * len(pool.backends)
-        body_limit = cfg.backend_max_bytes - ENVELOPE_BYTES - HEADER.size
-        self.coalescer = (
-            Coalescer(self._send, slots, c.max_examples, body_limit) if c.enabled else None
-        )
+        self.slots = c.calls_per_backend * len(pool.backends)
+        self.body_limit = cfg.backend_max_bytes - ENVELOPE_BYTES - HEADER.size
+        self.coalescers: dict[str, Coalescer] = {}  # per version: a merged call is one version
         self.admission = Admission(cfg.limits.max_inflight_examples)
 
-    async def _send(self, arrays: Arrays, time_remaining: float | None) -> tuple[np.ndarray, str]:
+    @property
+    def in_flight(self) -> int:
+        """Backend calls in flight through the coalescers."""
+        return sum(c.in_flight for c in self.coalescers.values())
+
+    def set_plan(self, plan: Plan) -> None:
+        """Serve ``plan`` from the next call on (calls already routed finish where they are)."""
+        self.plan = plan
+        self.pool.cordoned = frozenset(plan.cordon)
+        for gone in set(self.coalescers) - set(plan.versions):
+            del self.coalescers[gone]  # its calls in flight still complete: they hold it
+
+    def resolve(self, version: str) -> str:
+        """The version a call is for: the one it names, or one drawn by the plan's traffic
+        shares among the versions in rotation; NOT_FOUND for a version not in the plan."""
+        plan = self.plan
+        if not version:
+            return plan.choose(self.pool.ready)
+        if version not in plan.versions:
+            raise ScoreError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model_version {clip(version)} is not served here ({plan.model} versions: "
+                f"{', '.join(ordered(plan))})",
+            )
+        return version
+
+    def _coalescer(self, version: str) -> Coalescer:
+        c = self.coalescers.get(version)
+        if c is None:
+            send = functools.partial(self._send, version)
+            c = self.coalescers[version] = Coalescer(
+                send, self.slots, self.cfg.coalesce.max_examples, self.body_limit
+            )
+        return c
+
+    async def _send(
+        self, version: str, arrays: Arrays, time_remaining: float | None
+    ) -> tuple[np.ndarray, str]:
         """One TorchServe call for (possibly merged) validated arrays -> scores f32[B]; the one
         place that checks a reply has a score per example (both paths go through here)."""
         body = encode_request(*arrays)
         started = time.monotonic()
-        prediction, backend = await self.pool.predict(
-            body, self.schema.model_version, time_remaining
-        )
+        prediction, backend = await self.pool.predict(body, version, time_remaining)
         self.admission.observe(time.monotonic() - started)
         scores = decode_response(prediction)
         if scores.size != arrays[0].shape[0]:
@@ -76,23 +115,20 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
 
     async def score_arrays(
         self, arrays: Arrays, version: str, time_remaining: float | None
-    ) -> tuple[np.ndarray, str]:
-        """Validated arrays -> (scores f32[B], backend): the one scoring path behind every API
-        (``recsys.v1`` and KServe v2); raises :class:`ScoreError` with the call's status code."""
-        if version != self.schema.model_version:
-            raise ScoreError(
-                grpc.StatusCode.NOT_FOUND,
-                f"model_version {clip(version)} is not served here (this gateway serves "
-                f"{self.schema.model_name} v{self.schema.model_version})",
-            )
+    ) -> tuple[np.ndarray, str, str]:
+        """Validated arrays -> (scores f32[B], backend, version that scored them): the one
+        scoring path behind every API (``recsys.v1`` and KServe v2); ``version`` "" = the
+        plan's choice. Raises :class:`ScoreError` with the call's status code."""
+        version = self.resolve(version)
         examples = int(arrays[0].shape[0])
         metrics.examples(examples)
         self.admission.admit(examples, time_remaining)  # raises ScoreError: refused at once
         try:
-            if self.coalescer is not None:
-                return await self.coalescer.score(arrays, time_remaining)
-            metrics.backend_call(1, examples)
-            return await self._send(arrays, time_remaining)
+            if self.cfg.coalesce.enabled:
+                scores, backend = await self._coalescer(version).score(arrays, time_remaining)
+            else:
+                metrics.backend_call(1, examples)
+                scores, backend = await self._send(version, arrays, time_remaining)
         except BackendError as e:
             raise ScoreError(e.code, e.message) from e
         except Expired as e:
@@ -105,6 +141,8 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             raise ScoreError(grpc.StatusCode.INTERNAL, f"TorchServe returned {e}") from e
         finally:
             self.admission.release(examples)
+        metrics.scored(version, scores)
+        return scores, backend, version
 
     async def Score(
         self, data: bytes, context: grpc.aio.ServicerContext
@@ -129,15 +167,16 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         except InvalidRequest as e:
             metrics.rejected("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        version = version or self.schema.model_version
         try:
-            scores, backend = await self.score_arrays(arrays, version, context.time_remaining())
+            scores, backend, version = await self.score_arrays(
+                arrays, version, context.time_remaining()
+            )
         except ScoreError as e:
             await context.abort(e.code, e.message)
         await context.send_initial_metadata((("x-recsys-backend", backend),))
         return ranker_pb2.ScoreResponse(
             scores=scores.tolist(),
-            model_name=self.schema.model_name,
+            model_name=self.plan.model,
             model_version=version,
         )
 
@@ -168,14 +207,80 @@ def backend_options(cfg: GatewayConfig) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
 
 
+class PlanWatcher:
+    """Re-reads the serving plan file when it changes (mtime, size); a plan that cannot be
+    served here (unreadable, another model, another request contract) is logged once and the
+    gateway keeps the plan it has."""
+
+    def __init__(self, path: Path, schema: Schema) -> None:
+        self.path = path
+        self.schema = schema
+        self._stamp: tuple[int, int] | None = None
+
+    def check(self, p: Plan) -> Plan:
+        if p.model != self.schema.model_name or (p.dense, p.sparse) != (
+            self.schema.dense,
+            self.schema.sparse,
+        ):
+            raise PlanError(
+                f"{self.path}: plans model {p.model} and its features, but this gateway was "
+                f"started for {self.schema.model_name}'s request contract (restart it with "
+                "the new model's schema)"
+            )
+        return p
+
+    def poll(self) -> Plan | None:
+        """The plan if the file changed since the last call (first call: always), else None."""
+        try:
+            st = self.path.stat()
+        except OSError:
+            stamp = None
+        else:
+            stamp = (st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp and stamp is not None:
+            return None
+        self._stamp = stamp
+        try:
+            return self.check(plan_io.load(self.path))
+        except PlanError as e:
+            logger.error("%s; still serving the plan loaded before", e)
+            return None
+
+
+def schema_plan(schema: Schema) -> Plan:
+    """The one-version plan of a schema (a gateway started without a plan file)."""
+    entry = PlanVersion("", schema.dense, schema.sparse)
+    return Plan(schema.model_name, schema.model_version, {schema.model_version: entry})
+
+
+def apply_plan(ranker: Ranker, plan: Plan) -> None:
+    ranker.set_plan(plan)
+    metrics.show_plan(plan.model, ordered(plan), plan.shares(), plan.generation)
+    logger.info(
+        "plan %d: %s versions %s, default %s, traffic %s%s",
+        plan.generation, plan.model, list(ordered(plan)), plan.default,
+        plan.traffic or {plan.default: 100},
+        f", cordoned {list(plan.cordon)}" if plan.cordon else "",
+    )  # fmt: skip
+
+
 async def poll_health(
-    cfg: GatewayConfig, schema: Schema, pool: BackendPool, servicer: health.aio.HealthServicer
+    cfg: GatewayConfig,
+    ranker: Ranker,
+    watcher: PlanWatcher | None,
+    servicer: health.aio.HealthServicer,
 ) -> None:
-    """SERVING while at least one backend answers a probe request; NOT_SERVING otherwise."""
+    """Applies plan changes, probes every backend for every version; SERVING while at least
+    one backend answers for the default version, NOT_SERVING otherwise."""
     status = None
+    schema = ranker.schema
     while True:
         try:
-            ok = await pool.refresh(schema.model_version, len(schema.dense), len(schema.sparse))
+            if watcher is not None and (new_plan := watcher.poll()) is not None:
+                apply_plan(ranker, new_plan)
+            ok = await ranker.pool.refresh(
+                list(ordered(ranker.plan)), len(schema.dense), len(schema.sparse)
+            )
         except Exception:  # never let the poller die: health would be stuck where it was
             logger.exception("health probe failed; NOT_SERVING until a probe succeeds")
             ok = False
@@ -211,9 +316,11 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     check_exposure(cfg.host, cfg.auth)
     credentials = server_credentials(cfg.tls)
     m = metrics.configure(cfg.limits.max_examples, cfg.coalesce.max_examples)
-    m.model.labels(schema.model_name, schema.model_version).set(1)
     m.track_backends(pool.backends)
-    ranker = Ranker(cfg, schema, pool)
+    watcher = PlanWatcher(Path(cfg.plan), schema) if cfg.plan else None
+    plan = (watcher.check(plan_io.load(Path(cfg.plan))) if watcher else None) or schema_plan(schema)
+    ranker = Ranker(cfg, schema, pool, plan)
+    apply_plan(ranker, plan)
     scoring = (f"/{SERVICE}/Score", f"/{kserve.SERVICE}/ModelInfer")
     admission = AdmissionInterceptor(ranker.admission, scoring, cfg.limits.max_examples)
     # metrics outermost: refused calls are counted with their code too; admission after auth:
@@ -222,9 +329,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         options=options,
         interceptors=[metrics.MetricsInterceptor(m), *auth_interceptors(cfg.auth), admission],
     )
-    if ranker.coalescer is not None:
-        coalescer = ranker.coalescer
-        m.track_in_flight(lambda: coalescer.in_flight)
+    m.track_in_flight(lambda: ranker.in_flight)
     add_servicer(server, ranker_pb2_grpc.add_RankerServicer_to_server, ranker, raw=("Score",))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -245,16 +350,16 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     await server.start()
     metrics_server = metrics.start_server(m, cfg.metrics.host or cfg.host, cfg.metrics.port)
     logger.info(
-        "gateway on %s:%d (%s, %s) -> TorchServe %s, model %s v%s",
+        "gateway on %s:%d (%s, %s) -> TorchServe %s, model %s versions %s",
         cfg.host,
         port,
         "mutual TLS" if cfg.tls.client_ca else "TLS" if credentials else "plaintext",
         f"tokens of {cfg.auth.token_file}" if cfg.auth.token_file else "no authentication",
         cfg.backend,
-        schema.model_name,
-        schema.model_version,
+        plan.model,
+        "/".join(ordered(plan)),
     )
-    poller = asyncio.create_task(poll_health(cfg, schema, pool, health_servicer))
+    poller = asyncio.create_task(poll_health(cfg, ranker, watcher, health_servicer))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -284,7 +389,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(
             level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-        check_limits_fit(cfg, Schema.load(cfg.schema))
+        schema = Schema.load(cfg.schema)
+        check_limits_fit(cfg, schema)
+        if cfg.plan:  # readable, and for this gateway's model and request contract
+            PlanWatcher(Path(cfg.plan), schema).check(plan_io.load(Path(cfg.plan)))
         for path in cfg.key_files():
             try:  # TorchServe writes its keys when it starts: it may start after the gateway
                 read_keys(path)
@@ -293,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_exposure(cfg.host, cfg.auth)
         auth_interceptors(cfg.auth)  # the token file is readable
         server_credentials(cfg.tls)  # the PEM files are
-    except (ConfigError, OSError, KeyError, ValueError, KeyFileError, AuthError) as e:
+    except (ConfigError, OSError, KeyError, ValueError, KeyFileError, AuthError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     asyncio.run(serve(cfg))

@@ -27,9 +27,10 @@ import numpy as np
 
 from serving import metrics
 from serving.errors import ScoreError
+from serving.plan import ordered
 from serving.rpc import add_servicer
 from serving.stubs import kserve_pb2, kserve_pb2_grpc
-from serving.validate import InvalidRequest, Schema, validate_arrays
+from serving.validate import InvalidRequest, Schema, clip, validate_arrays
 
 if TYPE_CHECKING:  # the gateway registers this service: no import back at run time
     from serving.gateway import Ranker
@@ -147,23 +148,23 @@ class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc
         return self.ranker.schema
 
     def _ready(self) -> bool:
-        return any(b.healthy for b in self.ranker.pool.backends)
+        return self.ranker.pool.ready(self.ranker.plan.default)
 
     async def _model(self, name: str, version: str, context: grpc.aio.ServicerContext) -> str:
         """The version a call on model ``name`` is for (empty = the default); NOT_FOUND if the
         gateway does not serve it."""
-        if name != self.schema.model_name:
+        plan = self.ranker.plan
+        if name != plan.model:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"model '{name}' is not served here (this gateway serves "
-                f"'{self.schema.model_name}')",
+                f"model '{clip(name)}' is not served here (this gateway serves '{plan.model}')",
             )
-        version = version or self.schema.model_version
-        if version != self.schema.model_version:
+        version = version or plan.default
+        if version not in plan.versions:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"model_version '{version}' is not served here (this gateway serves "
-                f"{self.schema.model_name} v{self.schema.model_version})",
+                f"model_version '{clip(version)}' is not served here ({plan.model} versions: "
+                f"{', '.join(ordered(plan))})",
             )
         return version
 
@@ -174,8 +175,8 @@ class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc
         return kserve_pb2.ServerReadyResponse(ready=self._ready())
 
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._model(request.name, request.version, context)
-        return kserve_pb2.ModelReadyResponse(ready=self._ready())
+        version = await self._model(request.name, request.version, context)
+        return kserve_pb2.ModelReadyResponse(ready=self.ranker.pool.ready(version))
 
     async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
@@ -188,8 +189,8 @@ class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc
         await self._model(request.name, request.version, context)
         meta = kserve_pb2.ModelMetadataResponse
         return meta(
-            name=self.schema.model_name,
-            versions=[self.schema.model_version],
+            name=self.ranker.plan.model,
+            versions=list(ordered(self.ranker.plan)),  # the default first
             platform=PLATFORM,
             inputs=[
                 meta.TensorMetadata(name=s.name, datatype=s.datatype, shape=s.shape(self.schema))
@@ -203,9 +204,8 @@ class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc
         )
 
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if request.model_name != self.schema.model_name:
+        if request.model_name != self.ranker.plan.model:
             await self._model(request.model_name, request.model_version, context)
-        version = request.model_version or self.schema.model_version
         try:
             for out in request.outputs:
                 if out.name != OUTPUT:
@@ -221,8 +221,8 @@ class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc
             metrics.rejected("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:  # the one scoring path (and version routing) of every API
-            scores, backend = await self.ranker.score_arrays(
-                arrays, version, context.time_remaining()
+            scores, backend, version = await self.ranker.score_arrays(
+                arrays, request.model_version, context.time_remaining()
             )
         except ScoreError as e:
             await context.abort(e.code, e.message)

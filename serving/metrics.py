@@ -18,7 +18,12 @@ Exported (prefix ``recsys_gateway_``):
 - ``backend_healthy{backend}`` (1/0, read at scrape time), ``backend_failovers_total{backend}``:
   calls given up on a backend after an outage that cannot have reached a worker, to be retried
   on another one if any is left (the backend leaves rotation; a timeout is never retried).
-- ``model_info{model_name,model_version}``: the served model (always 1).
+- ``model_info{model_name,model_version}``: each served version (always 1);
+  ``version_traffic_ratio{model_version}``: its share of the requests that name no version;
+  ``plan_generation``: the serving plan applied (serving/plan.py).
+- ``version_requests_total{model_version}``, ``scores{model_version}`` (histogram of each
+  request's mean click probability): traffic and predicted CTR per version, to compare a
+  canary with the default while a rollout shifts traffic.
 """
 
 from __future__ import annotations
@@ -92,9 +97,35 @@ class GatewayMetrics:
         )  # fmt: skip
         self.failovers: dict[str, Any] = {}
         self.model = Gauge(
-            f"{PREFIX}_model_info", "the served model", ["model_name", "model_version"],
+            f"{PREFIX}_model_info", "the served model versions", ["model_name", "model_version"],
             registry=r,
         )  # fmt: skip
+        self.traffic = Gauge(
+            f"{PREFIX}_version_traffic_ratio", "share of the requests naming no version",
+            ["model_version"], registry=r,
+        )  # fmt: skip
+        self.generation = Gauge(
+            f"{PREFIX}_plan_generation", "generation of the serving plan applied", registry=r
+        )
+        self.version_requests = Counter(
+            f"{PREFIX}_version_requests", "scored requests per model version",
+            ["model_version"], registry=r,
+        )  # fmt: skip
+        self.scores = Histogram(
+            f"{PREFIX}_scores", "mean click probability of each request, per model version",
+            ["model_version"], buckets=[i / 20 for i in range(1, 21)], registry=r,
+        )  # fmt: skip
+        self._by_version: dict[str, tuple[Any, Any]] = {}
+
+    def show_plan(self, model: str, versions: Iterable[str], shares: dict[str, float],
+                  generation: int) -> None:  # fmt: skip
+        """Model info, traffic shares and generation of the plan now applied."""
+        self.model.clear()
+        self.traffic.clear()
+        for v in versions:
+            self.model.labels(model, v).set(1)
+            self.traffic.labels(v).set(shares.get(v, 0.0))
+        self.generation.set(generation)
 
     def track_backends(self, backends: Iterable[Any]) -> None:
         """``backend_healthy`` read from each backend's ``healthy`` at scrape time."""
@@ -135,6 +166,28 @@ def backend_call(requests: int, n_examples: int) -> None:
     if _current is not None:
         _current.call_requests.observe(requests)
         _current.call_examples.observe(n_examples)
+
+
+def show_plan(
+    model: str, versions: Iterable[str], shares: dict[str, float], generation: int
+) -> None:
+    """The serving plan now applied (model info per version, traffic shares, generation)."""
+    if _current is not None:
+        _current.show_plan(model, versions, shares, generation)
+
+
+def scored(version: str, scores: Any) -> None:
+    """A request answered by ``version`` with ``scores`` (f32[B]): its count and scores."""
+    if _current is not None:
+        children = _current._by_version.get(version)
+        if children is None:
+            children = _current._by_version[version] = (
+                _current.version_requests.labels(version),
+                _current.scores.labels(version),
+            )
+        children[0].inc()
+        if len(scores):  # one observation per request, not per example: the hot path
+            children[1].observe(float(scores.mean()))
 
 
 def rejected(reason: str) -> None:
@@ -247,5 +300,5 @@ def start_server(m: GatewayMetrics, host: str, port: int) -> MetricsServer | Non
 
 __all__ = [
     "GatewayMetrics", "MetricsInterceptor", "MetricsServer", "backend_call", "configure",
-    "examples", "failover", "rejected", "start_server",
+    "examples", "failover", "rejected", "scored", "show_plan", "start_server",
 ]  # fmt: skip

@@ -37,11 +37,13 @@ from recsys_stack.config import (
     from_args,
     to_dict,
 )
+from serving import plan as plan_io
 from serving.auth import AuthError, call_metadata, client_token, write_token_file
 from serving.client import gateway_status
 from serving.config import TOKEN_FILE_NAME, GatewayConfig
-from serving.torchserve import process
-from serving.torchserve.config import TorchServeConfig, resolve_model
+from serving.plan import PLAN_FILE
+from serving.torchserve import manage, process
+from serving.torchserve.config import TorchServeConfig, on_free_ports, resolve_model
 from serving.validate import Schema
 
 STATE = "serve.json"
@@ -58,6 +60,9 @@ class ServeConfig:
     TorchServe's own state goes to torchserve.workdir, by default ``<workdir>/torchserve``."""
     timeout_s: float = 240.0
     """Longest wait for TorchServe's model, then for the gateway, to be ready."""
+    replicas: int = 1
+    """TorchServe replicas behind the gateway. The first uses [torchserve]'s ports and state
+    folder; each further one gets free loopback ports and ``<workdir>/torchserve-<i>``."""
     torchserve: TorchServeConfig = field(default_factory=TorchServeConfig)
     """The TorchServe instance (model name/version default to the schema's)."""
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
@@ -145,48 +150,103 @@ def _alive(pid: int | None) -> bool:
     return pid is not None and bool(process.group_members(pid))
 
 
-def running(workdir: Path) -> dict[str, int]:
-    """``{"gateway": pid, "torchserve": pid}`` of the recorded processes still alive."""
+def replica_name(i: int) -> str:
+    return "torchserve" if i == 0 else f"torchserve-{i}"
+
+
+def recorded(workdir: Path) -> dict[str, int]:
+    """``{"gateway": pid, "torchserve": pid, "torchserve-1": pid, ...}`` as recorded."""
     state = read_state(workdir)
-    return {
-        k: state[f"{k}_pid"] for k in ("gateway", "torchserve") if _alive(state.get(f"{k}_pid"))
-    }
+    pids = {replica_name(i): r["pid"] for i, r in enumerate(state.get("replicas", []))}
+    if "gateway_pid" in state:
+        pids["gateway"] = state["gateway_pid"]
+    return pids
+
+
+def running(workdir: Path) -> dict[str, int]:
+    """The recorded processes still alive, by name."""
+    return {k: pid for k, pid in recorded(workdir).items() if _alive(pid)}
+
+
+def replicas(workdir: Path) -> list[TorchServeConfig]:
+    """The TorchServe configs of the running stack's replicas (``make rollout`` manages them)."""
+    return [
+        build(TorchServeConfig, r["torchserve"]) for r in read_state(workdir).get("replicas", [])
+    ]
+
+
+def gateway_config(workdir: Path) -> GatewayConfig | None:
+    """The running stack's gateway config (None when none was started)."""
+    state = read_state(workdir)
+    return build(GatewayConfig, state["gateway"]) if "gateway" in state else None
 
 
 # --- commands --------------------------------------------------------------------------------------
 
 
+def replica_configs(cfg: ServeConfig, schema: Schema, plan_file: Path) -> list[TorchServeConfig]:
+    """[torchserve] resolved for each replica: model from the schema, the plan file, and (past
+    the first) free loopback ports and a state folder of its own."""
+    default_ts_dir = (
+        cfg.torchserve.workdir == TorchServeConfig.__dataclass_fields__["workdir"].default
+    )
+    first = resolve_model(
+        dataclasses.replace(
+            cfg.torchserve,
+            # TorchServe's state follows the stack's unless set on its own
+            workdir=cfg.workdir / "torchserve" if default_ts_dir else cfg.torchserve.workdir,
+            model_name=cfg.torchserve.model_name or schema.model_name,
+            model_version=cfg.torchserve.model_version or schema.model_version,
+            plan=str(plan_file),
+        )
+    )
+    out = [first]
+    for i in range(1, cfg.replicas):
+        other = dataclasses.replace(first, workdir=first.workdir.with_name(replica_name(i)))
+        out.append(on_free_ports(other))
+    return out
+
+
 def start(cfg: ServeConfig) -> str:
-    """Start TorchServe, then the gateway; returns a one-line summary. Stops both on failure."""
+    """Start TorchServe (every replica), then the gateway; returns a one-line summary. Stops
+    everything on failure. The serving plan starts with the schema's one version."""
     try:
         schema = Schema.load(cfg.gateway.schema)
     except (OSError, KeyError, ValueError) as e:
         raise FileNotFoundError(f"{cfg.gateway.schema}: {e} (run `make export` first)") from None
     if running(cfg.workdir):
         raise AlreadyRunning(f"already running ({cfg.workdir}); `make stop` first")
-    default_ts_dir = (
-        cfg.torchserve.workdir == TorchServeConfig.__dataclass_fields__["workdir"].default
-    )
-    named = dataclasses.replace(
-        cfg.torchserve,
-        # TorchServe's state follows the stack's unless set on its own
-        workdir=cfg.workdir / "torchserve" if default_ts_dir else cfg.torchserve.workdir,
-        model_name=cfg.torchserve.model_name or schema.model_name,
-        model_version=cfg.torchserve.model_version or schema.model_version,
-    )
-    ts = resolve_model(named)
+    if cfg.replicas < 1:
+        raise ValueError(f"replicas = {cfg.replicas}: at least 1")
     cfg.workdir.mkdir(parents=True, exist_ok=True)
+    plan_file = (cfg.workdir / PLAN_FILE).resolve()
+    reps = replica_configs(cfg, schema, plan_file)
+    ts = reps[0]
     (cfg.workdir / STATE).unlink(missing_ok=True)
     try:
-        proc = process.start(ts)
-        _write_state(cfg.workdir, torchserve_pid=proc.pid, torchserve=to_dict(ts))
-        process.wait_ready(ts, cfg.timeout_s, proc)
+        mar = ts.model_store / ts.mar
+        served = plan_io.single(plan_io.read_mar_schema(mar), ts.mar)
+        if (served.model, served.default) != (ts.model_name, ts.model_version):
+            raise ValueError(
+                f"{mar} holds {served.model} v{served.default}, not {ts.model_name} "
+                f"v{ts.model_version}"
+            )
+        plan_io.save(served, plan_file)
+        started: list[dict[str, Any]] = []
+        procs = []
+        for r in reps:  # recorded one by one: a failed start stops those already started
+            procs.append(process.start(r))
+            started.append({"pid": procs[-1].pid, "torchserve": to_dict(r)})
+            _write_state(cfg.workdir, plan=str(plan_file), replicas=started)
+        for r, p in zip(reps, procs, strict=True):
+            process.wait_ready(r, cfg.timeout_s, p)
         token_file = gateway_token_file(cfg)
         gw = dataclasses.replace(
             cfg.gateway,
             schema=cfg.gateway.schema.resolve(),
-            backend=ts.grpc_inference_target,
-            key_file=str(ts.key_file.resolve()),
+            plan=str(plan_file),
+            backend=",".join(r.grpc_inference_target for r in reps),
+            key_file=",".join(str(r.key_file.resolve()) for r in reps),
             backend_max_bytes=ts.max_request_bytes,
             auth=dataclasses.replace(cfg.gateway.auth, token_file=str(token_file)),
         )
@@ -199,14 +259,13 @@ def start(cfg: ServeConfig) -> str:
         raise RuntimeError(f"{e}\n(logs: {cfg.workdir}, {ts.workdir})") from None
     return (
         f"serving {ts.model_name} v{ts.model_version}: gateway {local_target(gw)}"
-        f" (token {gw.auth.token_file}), TorchServe gRPC {ts.grpc_inference_target}"
-        f" (state {cfg.workdir})"
+        f" (token {gw.auth.token_file}), TorchServe gRPC {gw.backend}"
+        f" (state {cfg.workdir}, plan {plan_file})"
     )
 
 
 def stop(workdir: Path, timeout: float = 30.0) -> list[str]:
-    """Stop the recorded gateway (SIGTERM: in-flight calls finish) and TorchServe's group."""
-    state = read_state(workdir)
+    """Stop the recorded gateway (SIGTERM: in-flight calls finish) and TorchServe's groups."""
     alive = running(workdir)
     if "gateway" in alive:
         pid = alive["gateway"]
@@ -216,27 +275,29 @@ def stop(workdir: Path, timeout: float = 30.0) -> list[str]:
             time.sleep(0.1)
         if _alive(pid):
             os.killpg(pid, signal.SIGKILL)
-    if "torchserve" in alive:
-        process.stop(alive["torchserve"], timeout=timeout)
-    if "torchserve" in state:
-        build(TorchServeConfig, state["torchserve"]).key_file.unlink(missing_ok=True)
+    for i, ts in enumerate(replicas(workdir)):
+        if replica_name(i) in alive:
+            process.stop(alive[replica_name(i)], timeout=timeout)
+        ts.key_file.unlink(missing_ok=True)
     (workdir / STATE).unlink(missing_ok=True)
     return sorted(alive)
 
 
 def status(workdir: Path) -> tuple[int, str]:
     """``(exit code, report)``: 0 serving, 2 degraded, 3 not running."""
-    state, alive = read_state(workdir), running(workdir)
+    alive = running(workdir)
     if not alive:
         return 3, f"not running ({workdir})"
     lines, ok = [], True
-    if "torchserve" in state:
-        ts = build(TorchServeConfig, state["torchserve"])
-        n = process.ready_workers(ts) if "torchserve" in alive else 0
-        ok &= n > 0
-        lines.append(f"torchserve {ts.model_name}/{ts.model_version}: {n} READY workers")
-    if "gateway" in state:
-        gw = build(GatewayConfig, state["gateway"])
+    for i, ts in enumerate(replicas(workdir)):
+        versions = _versions(ts) if replica_name(i) in alive else {}
+        ok &= bool(versions) and all(versions.values())
+        shown = (
+            ", ".join(f"v{v}: {n} READY workers" for v, n in versions.items()) or "0 READY workers"
+        )
+        lines.append(f"{replica_name(i)} {ts.grpc_inference_target} {ts.model_name}: {shown}")
+    gw = gateway_config(workdir)
+    if gw is not None:
         target = local_target(gw)
         try:  # health is open by default; a token only matters with auth.protect_health
             token = call_metadata(client_token(gw.auth.token_file)) if gw.auth.token_file else ()
@@ -245,7 +306,25 @@ def status(workdir: Path) -> tuple[int, str]:
         health = gateway_status(target, metadata=token) if "gateway" in alive else "STOPPED"
         ok &= health == "SERVING"
         lines.append(f"gateway {target}: {health}")
+    state = read_state(workdir)
+    if state.get("plan"):
+        try:
+            p = plan_io.load(Path(state["plan"]))
+            lines.append(
+                f"plan {p.generation}: default v{p.default}, traffic "
+                f"{p.traffic or {p.default: 100}}, previous {p.previous or '-'}"
+            )
+        except plan_io.PlanError as e:
+            lines.append(str(e))
     return (0 if ok else 2), "\n".join(lines)
+
+
+def _versions(ts: TorchServeConfig) -> dict[str, int]:
+    """READY workers per registered version (empty when TorchServe does not answer)."""
+    try:
+        return manage.versions(ts, ts.model_name)
+    except manage.ManageError:
+        return {}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -4,9 +4,15 @@ Everything TorchServe writes goes to one work directory: ``config.properties``, 
 ``key_file.json`` (TorchServe writes it into its working directory), ``logs/``, its worker
 sockets (``tmp/``, so two instances on one machine never collide).
 
-TorchServe 0.12 defaults kept on purpose: token authorization ON (every call carries
-``authorization: Bearer <key>``), model API OFF (the model is registered at startup from
-``config.properties``, nobody can load another archive at runtime).
+TorchServe 0.12's token authorization is kept ON (every call carries ``authorization: Bearer
+<key>``). Its model API (register / unregister archives at runtime, off by default) is ON so
+that ``make rollout`` can add a version without a restart: the management API binds to
+``host`` (loopback by default, the internal network in compose) and needs the management key,
+which only the operator's tools read (the gateway holds the inference key alone).
+
+With ``plan`` set (``serving/plan.py``, written by ``make serve`` and ``make rollout``), every
+version in the plan is registered at start with the plan's default as TorchServe's default: a
+replica that restarts serves what the gateway routes to.
 
 Variables (``RECSYS_TS_*``, ``RECSYS_MODEL_*``) are read by :func:`recsys_stack.config.load`,
 not when an instance is created: ``TorchServeConfig(...)`` in code means exactly what it says.
@@ -23,6 +29,7 @@ from pathlib import Path
 
 from recsys_stack.config import env_field
 from recsys_stack.net import free_ports
+from serving import plan
 
 LOG_FILE = "torchserve.log"
 WORKDIR = Path("runs/serve/torchserve")
@@ -57,6 +64,12 @@ class TorchServeConfig:
     """Name the model is served under (gRPC ``model_name``, URL path); empty = the archive's."""
     model_version: str = ""
     """Version registered (and made the default) for ``model_name``; empty = the archive's."""
+    plan: str = env_field("RECSYS_SERVING_PLAN", "")
+    """Serving plan file; when it exists, its versions (archives, default) are registered at
+    start instead of the one model above. Empty = that one model."""
+    model_api: bool = True
+    """TorchServe's model API (register/unregister at runtime, management key required):
+    ``make rollout`` needs it; off = the versions registered at start only."""
     workers: int = env_field("RECSYS_TS_WORKERS", 0)
     """Worker processes for the model, min = max (no autoscaling surprises); 0 = one per core,
     TorchServe's own default (measured best on CPU, docs/bench.md). The handler splits the
@@ -163,21 +176,36 @@ def resolve_model(cfg: TorchServeConfig) -> TorchServeConfig:
     )
 
 
+def served_versions(cfg: TorchServeConfig) -> tuple[str, dict[str, str], str]:
+    """``(model name, {version: archive}, default version)`` to register at start: the plan's
+    when ``cfg.plan`` exists, else ``cfg``'s one model."""
+    if cfg.plan and Path(cfg.plan).is_file():
+        p = plan.load(Path(cfg.plan))
+        return p.model, {v: e.mar for v, e in p.versions.items()}, p.default
+    return cfg.model_name, {cfg.model_version: cfg.mar}, cfg.model_version
+
+
+def version_settings(cfg: TorchServeConfig) -> dict[str, object]:
+    """Per-version TorchServe settings (config.properties' ``models``), as registered at start
+    and by the management API at runtime (serving/torchserve/manage.py)."""
+    return {
+        "minWorkers": cfg.worker_count(),
+        "maxWorkers": cfg.worker_count(),
+        "batchSize": cfg.batch_size,
+        "maxBatchDelay": cfg.max_batch_delay_ms,
+        "responseTimeout": cfg.response_timeout_s,
+        "startupTimeout": cfg.startup_timeout_s,
+    }
+
+
 def properties(cfg: TorchServeConfig) -> dict[str, object]:
     """TorchServe's ``config.properties`` for ``cfg`` (model fields resolved)."""
     store = cfg.model_store.resolve()
+    name, mars, default = served_versions(cfg)
     model = {
-        cfg.model_name: {
-            cfg.model_version: {
-                "defaultVersion": True,
-                "marName": cfg.mar,
-                "minWorkers": cfg.worker_count(),
-                "maxWorkers": cfg.worker_count(),
-                "batchSize": cfg.batch_size,
-                "maxBatchDelay": cfg.max_batch_delay_ms,
-                "responseTimeout": cfg.response_timeout_s,
-                "startupTimeout": cfg.startup_timeout_s,
-            }
+        name: {
+            v: {"defaultVersion": v == default, "marName": mar, **version_settings(cfg)}
+            for v, mar in mars.items()
         }
     }
     return {
@@ -190,7 +218,7 @@ def properties(cfg: TorchServeConfig) -> dict[str, object]:
         "grpc_management_port": cfg.grpc_management_port,
         "model_store": store,
         # both are needed: load_models picks the archive, models= carries its settings
-        "load_models": cfg.mar,
+        "load_models": ",".join(mars.values()),
         "models": json.dumps(model, separators=(",", ":")),
         "default_workers_per_model": cfg.worker_count(),
         "default_response_timeout": cfg.response_timeout_s,
@@ -200,7 +228,7 @@ def properties(cfg: TorchServeConfig) -> dict[str, object]:
         "max_response_size": cfg.max_request_bytes,
         "disable_token_authorization": "false",
         "token_expiration_min": cfg.token_expiration_min,
-        "enable_model_api": "false",
+        "enable_model_api": str(cfg.model_api).lower(),
         "install_py_dep_per_model": "false",  # the venv is the environment; no pip at load
         "metrics_mode": "prometheus",
         "enable_metrics_api": "true",
@@ -220,9 +248,10 @@ def on_free_ports(cfg: TorchServeConfig) -> TorchServeConfig:
 
 def write_properties(cfg: TorchServeConfig) -> Path:
     """Write ``<workdir>/config.properties`` for ``cfg``; returns its path."""
-    archive = cfg.model_store.resolve() / cfg.mar
-    if not archive.is_file():
-        raise FileNotFoundError(f"{archive} not found: run `make export` or set mar_file")
+    for mar in served_versions(cfg)[1].values():
+        archive = cfg.model_store.resolve() / mar
+        if not archive.is_file():
+            raise FileNotFoundError(f"{archive} not found: run `make export` or set mar_file")
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     path = cfg.workdir / "config.properties"
     body = "".join(f"{k}={v}\n" for k, v in properties(cfg).items())

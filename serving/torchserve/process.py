@@ -23,7 +23,12 @@ from typing import Any
 
 import psutil  # a TorchServe dependency
 
-from serving.torchserve.config import TorchServeConfig, log_config_file, write_properties
+from serving.torchserve.config import (
+    TorchServeConfig,
+    log_config_file,
+    served_versions,
+    write_properties,
+)
 from serving.torchserve.keys import read_keys
 
 logger = logging.getLogger(__name__)
@@ -106,8 +111,10 @@ def log_tail(cfg: TorchServeConfig, lines: int = 40) -> str:
 
 
 def describe(cfg: TorchServeConfig, timeout: float = 5.0) -> list[dict[str, Any]]:
-    """The management API's description of ``cfg``'s model version (raises if unreachable)."""
-    url = f"http://{cfg.host}:{cfg.management_port}/models/{cfg.model_name}/{cfg.model_version}"
+    """The management API's description of the default version ``cfg`` registers at start
+    (raises if unreachable)."""
+    name, _, default = served_versions(cfg)  # the plan's default when there is a plan
+    url = f"http://{cfg.host}:{cfg.management_port}/models/{name}/{default}"
     key = read_keys(cfg.key_file)["management"]
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -142,7 +149,8 @@ def _not_ready_reason(
     cfg: TorchServeConfig, proc: subprocess.Popen[bytes] | None, waited: float, timeout: float
 ) -> str | None:
     """Why waiting longer is pointless, or None."""
-    model = f"{cfg.model_name}/{cfg.model_version}"
+    name, _, default = served_versions(cfg)
+    model = f"{name}/{default}"
     failures = _load_failures(cfg)
     if failures >= LOAD_FAILURES_FATAL:  # TorchServe would retry forever, backing off
         return (

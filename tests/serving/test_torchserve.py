@@ -113,7 +113,9 @@ def test_properties_keep_auth_on_and_register_the_model(tmp_path: Path) -> None:
         if not line.startswith("#")
     )
     assert props["disable_token_authorization"] == "false"
-    assert props["enable_model_api"] == "false"
+    # the model API is on for `make rollout`, on loopback and behind the management key
+    assert props["enable_model_api"] == "true"
+    assert props["management_address"] == "http://127.0.0.1:8081"
     assert props["inference_address"] == "http://127.0.0.1:8080"
     assert props["load_models"] == "m-2.mar"
     model = json.loads(props["models"])["m"]["2"]
@@ -122,6 +124,8 @@ def test_properties_keep_auth_on_and_register_the_model(tmp_path: Path) -> None:
     assert (model["batchSize"], model["maxBatchDelay"], model["maxWorkers"]) == (1, 5, cores)
     with pytest.raises(FileNotFoundError, match=r"m-3\.mar not found"):
         write_properties(TorchServeConfig(model_store=tmp_path, model_name="m", model_version="3"))
+    off = dataclasses.replace(cfg, model_api=False)
+    assert "enable_model_api=false" in write_properties(off).read_text()
 
 
 @pytest.fixture(scope="module")

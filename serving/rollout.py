@@ -1,0 +1,386 @@
+"""``make rollout VERSION=<v>`` / ``make rollback``: replace the served model without a failed request.
+
+``python -m serving.rollout --version 2`` works on the stack ``make serve`` started (its
+``serve.json``: replicas, gateway, serving plan) and takes these steps, printing each:
+
+1. **register** ``<model>-<v>.mar`` on every TorchServe replica (management API, management
+   key; the handler warms the model up while loading), wait until READY everywhere;
+2. **add** it to the serving plan with no traffic; the gateway probes it on every replica;
+3. **evaluate** the candidate and the current default through the gateway on the same labelled
+   rows (``--eval-data``, by default the held-out tenth of the synthetic set the demo trains
+   on): AUC, NE, log loss, calibration. If the candidate's AUC is lower by more than
+   ``--margin``, it is **refused**: removed from the plan and unregistered; the default keeps
+   all traffic, and the command exits 1;
+4. **shift** the requests that name no version in ``--steps`` (default 5% -> 50% -> 100%),
+   ``--dwell-s`` at each, checking that the candidate stays ready (the gateway's
+   ``version_requests_total`` / ``scores`` metrics show each version's traffic and mean CTR);
+5. **promote**: the candidate becomes the plan's (and TorchServe's) default; the old default
+   is recorded as ``previous``;
+6. **drain and unregister** the old default: out of the plan first (the gateway stops routing
+   to it), then, after ``--drain-s`` for calls already sent, unregistered on every replica.
+
+``--rollback`` does the same towards the plan's ``previous`` version (re-registered from the
+model store), without evaluation and in one step by default: the known-good model comes back
+at once. A replica that restarts at any point loads the plan's versions (TorchServe's
+``config.properties`` is written from the plan), so replicas never serve different sets.
+
+A rollout interrupted half-way leaves a consistent plan (each step is one atomic write); run
+the same command again to continue, or ``--rollback``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from recsys_stack.config import ConfigError, env_field, parse
+from serving import evaluate as ev
+from serving import plan as plan_io
+from serving.auth import AuthError, call_metadata, client_token
+from serving.config import GatewayConfig
+from serving.plan import Plan, PlanError
+from serving.stubs import kserve_pb2, kserve_pb2_grpc
+from serving.supervisor import WORKDIR, gateway_config, local_target, read_state, replicas
+from serving.torchserve import manage
+from serving.torchserve.config import TorchServeConfig
+
+logger = logging.getLogger("serving.rollout")
+
+
+@dataclass
+class RolloutConfig:
+    """Roll a model version out on the running stack, evaluated and step by step (or back)."""
+
+    version: str = ""
+    """The version to roll out: ``<model>-<version>.mar`` in the model store (`make export
+    VERSION=...`). Required unless ``rollback``."""
+    rollback: bool = False
+    """Return to the plan's ``previous`` version (no evaluation, ``rollback_steps``)."""
+    workdir: Path = env_field("RECSYS_SERVE_DIR", WORKDIR)
+    """The running stack's state folder (``make serve``'s)."""
+    eval_data: Path | None = None
+    """Labelled Criteo TSV to compare the candidate with the default on (required unless
+    ``evaluate`` is off)."""
+    holdout: float = 0.1
+    """Evaluate the last fraction of ``eval_data``'s rows (0.1 = a training run's held-out
+    split of the file it trained on); 0 = every row."""
+    eval_rows: int = 0
+    """Evaluate at most this many rows (0 = all of the window)."""
+    evaluate: bool = True
+    """Compare the candidate with the default before it takes traffic (off: promote it
+    without looking; ``rollback`` never evaluates)."""
+    margin: float = 0.002
+    """Refuse the candidate when its AUC is lower than the default's by more than this
+    (negative: it must beat the default by at least that much)."""
+    steps: list[int] = field(default_factory=lambda: [5, 50, 100])
+    """Percent of the requests naming no version sent to the candidate, step by step."""
+    rollback_steps: list[int] = field(default_factory=lambda: [100])
+    """The steps of ``rollback``."""
+    dwell_s: float = 10.0
+    """Time at each traffic step before the next."""
+    drain_s: float = 5.0
+    """After the old version leaves the plan: time for calls already sent to it to finish
+    before it is unregistered."""
+    timeout_s: float = 240.0
+    """Longest wait for a replica to load a version, or for the gateway to apply a plan."""
+    token_file: str = ""
+    """The gateway's token file; empty = the one the running gateway uses."""
+    progress: bool = True
+    """Progress bar while evaluating."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "rollback_steps"):
+            steps = getattr(self, name)
+            if not steps or steps[-1] != 100 or any(not 0 < s <= 100 for s in steps):
+                raise ValueError(f"{name} = {steps}: percents in (0, 100] ending with 100")
+            if steps != sorted(steps):
+                raise ValueError(f"{name} = {steps}: must increase")
+
+
+class RolloutError(RuntimeError):
+    """The rollout stopped; the message says where and what the plan is now."""
+
+
+@dataclass
+class Stack:
+    """The running stack as ``make serve`` recorded it."""
+
+    replicas: list[TorchServeConfig]
+    gateway: GatewayConfig
+    plan_file: Path
+    metadata: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def find(cls, cfg: RolloutConfig) -> Stack:
+        state = read_state(cfg.workdir)
+        gw = gateway_config(cfg.workdir)
+        reps = replicas(cfg.workdir)
+        if gw is None or not reps or not state.get("plan"):
+            raise RolloutError(
+                f"nothing is serving from {cfg.workdir} (start it with `make serve`)"
+            )
+        token = client_token(cfg.token_file or gw.auth.token_file)
+        return cls(reps, gw, Path(state["plan"]), call_metadata(token))
+
+    @property
+    def target(self) -> str:
+        return local_target(self.gateway)
+
+
+class Gateway:
+    """What the rollout asks the gateway (KServe v2 calls, and its metrics when exposed)."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.channel = grpc.insecure_channel(stack.target)
+        self.stub = kserve_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def ready(self, model: str, version: str) -> bool | None:
+        """True/False: the gateway routes ``version`` (ready or not); None: not in its plan."""
+        try:
+            reply = self.stub.ModelReady(
+                kserve_pb2.ModelReadyRequest(name=model, version=version),
+                metadata=self.stack.metadata, timeout=5,
+            )  # fmt: skip
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                return None
+            raise
+        return bool(reply.ready)
+
+    def generation(self) -> int | None:
+        """The plan generation the gateway applied (None: its metrics are off)."""
+        m = self.stack.gateway.metrics
+        if not m.port:
+            return None
+        host = "127.0.0.1" if (m.host or self.stack.gateway.host) in ("", "0.0.0.0") else m.host
+        try:
+            with urllib.request.urlopen(
+                f"http://{host or '127.0.0.1'}:{m.port}/metrics", timeout=5
+            ) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        for line in text.splitlines():
+            if line.startswith("recsys_gateway_plan_generation "):
+                return int(float(line.split()[1]))
+        return None
+
+    def wait(self, what: str, done: Callable[[], bool], timeout: float) -> None:
+        t0 = time.monotonic()
+        while not done():
+            if time.monotonic() - t0 > timeout:
+                raise RolloutError(f"the gateway did not {what} within {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def applied(self, plan: Plan, timeout: float) -> None:
+        """Until the gateway runs ``plan`` (its generation in the metrics, or two health
+        intervals when metrics are off)."""
+        if self.generation() is None:
+            time.sleep(2.5 * self.stack.gateway.health_interval_s)
+            return
+        self.wait(
+            f"apply plan {plan.generation}",
+            lambda: (self.generation() or -1) >= plan.generation,
+            timeout,
+        )
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def write(plan: Plan, stack: Stack, gateway: Gateway, timeout: float) -> Plan:
+    plan_io.save(plan, stack.plan_file)
+    gateway.applied(plan, timeout)
+    return plan
+
+
+def evaluate_version(cfg: RolloutConfig, stack: Stack, version: str) -> dict[str, Any]:
+    """AUC, NE, log loss, calibration of ``version`` through the gateway on the eval rows."""
+    assert cfg.eval_data is not None
+    host, port = stack.target.rsplit(":", 1)
+    ecfg = ev.EvaluateConfig(
+        data=cfg.eval_data, version=version, holdout=cfg.holdout, rows=cfg.eval_rows,
+        host=host, port=int(port), token_file=cfg.token_file or stack.gateway.auth.token_file,
+        progress=cfg.progress,
+    )  # fmt: skip
+    y, p = ev.score_file(ecfg, cfg.eval_data)
+    return ev.metrics(y, p, ecfg.bins)
+
+
+def compare(base: dict[str, Any], cand: dict[str, Any], margin: float) -> tuple[bool, str]:
+    """``(accept, table)``: the candidate passes when its AUC is at least the default's minus
+    ``margin``."""
+    rows = [("AUC", "auc"), ("NE", "normalized_entropy"), ("log loss", "log_loss"),
+            ("calibration", "calibration")]  # fmt: skip
+    lines = [f"  {'':12} {'default':>10} {'candidate':>10} {'delta':>10}"]
+    for label, key in rows:
+        a, b = float(base[key]), float(cand[key])
+        lines.append(f"  {label:12} {a:10.5f} {b:10.5f} {b - a:+10.5f}")
+    change = float(cand["auc"]) - float(base["auc"])
+    ok = change >= -margin
+    lines.append(
+        f"  AUC change {change:+.5f}, allowed down to {-margin:+g}: "
+        f"{'accepted' if ok else 'refused'}"
+    )
+    return ok, "\n".join(lines)
+
+
+def register_everywhere(
+    plan: Plan, version: str, mar: str, stack: Stack, gw: Gateway, timeout: float
+) -> Plan:
+    """Register on one replica after the other, each cordoned while it loads and warms the
+    version (the gateway sends its calls to the others, whose CPU is not busy loading)."""
+    for ts in stack.replicas:
+        t0 = time.monotonic()
+        if len(stack.replicas) > 1:
+            plan = write(plan.with_changes(cordon=(ts.grpc_inference_target,)), stack, gw, timeout)
+        manage.register(ts, plan.model, version, mar, timeout)
+        manage.wait_ready(ts, plan.model, version, timeout)
+        took = time.monotonic() - t0
+        say(f"  {ts.grpc_inference_target}: {plan.model} v{version} READY ({took:.1f} s)")
+    if plan.cordon:
+        plan = write(plan.with_changes(cordon=()), stack, gw, timeout)
+    return plan
+
+
+def unregister_everywhere(stack: Stack, model: str, version: str) -> None:
+    for ts in stack.replicas:
+        manage.unregister(ts, model, version)
+        say(f"  {ts.grpc_inference_target}: {model} v{version} unregistered")
+
+
+def withdraw(plan: Plan, version: str, cfg: RolloutConfig, stack: Stack, gw: Gateway) -> Plan:
+    """Take a non-default ``version`` out of the plan, let its calls finish, unregister it."""
+    versions = {v: e for v, e in plan.versions.items() if v != version}
+    traffic = {v: p for v, p in plan.traffic.items() if v != version}
+    traffic = {} if not traffic or set(traffic) == {plan.default} else traffic
+    plan = write(plan.with_changes(versions=versions, traffic=traffic), stack, gw, cfg.timeout_s)
+    gw.wait(
+        f"stop routing v{version}", lambda: gw.ready(plan.model, version) is None, cfg.timeout_s
+    )
+    time.sleep(cfg.drain_s)
+    unregister_everywhere(stack, plan.model, version)
+    return plan
+
+
+def rollout(cfg: RolloutConfig) -> dict[str, Any]:
+    """The whole procedure (module doc); returns the report (raises RolloutError when it
+    stops; a refused candidate is a report with ``"promoted": False``)."""
+    stack = Stack.find(cfg)
+    plan = plan_io.load(stack.plan_file)
+    old = plan.default
+    target = plan.previous if cfg.rollback else cfg.version
+    if not target:
+        raise RolloutError(
+            "no previous version to roll back to" if cfg.rollback else "which version? --version"
+        )
+    if target == old:
+        raise RolloutError(f"{plan.model} v{target} is the default already")
+    mar = f"{plan.model}-{target}.mar"
+    store = stack.replicas[0].model_store
+    name, version, entry = plan_io.version_from_schema(plan_io.read_mar_schema(store / mar), mar)
+    if (name, version) != (plan.model, target):
+        raise RolloutError(f"{store / mar} holds {name} v{version}, not {plan.model} v{target}")
+    evaluated = cfg.evaluate and not cfg.rollback
+    if evaluated and cfg.eval_data is None:
+        raise RolloutError("no evaluation data: pass --eval-data FILE.tsv (or --no-evaluate)")
+    report: dict[str, Any] = {"model": plan.model, "from": old, "to": target,
+                              "rollback": cfg.rollback, "promoted": False}  # fmt: skip
+    gw = Gateway(stack)
+    t_start = time.monotonic()
+    try:
+        say(f"{'rollback' if cfg.rollback else 'rollout'} {plan.model}: v{old} -> v{target}")
+        say(f"[1/6] register {mar} on {len(stack.replicas)} replica(s)")
+        plan = register_everywhere(plan, target, mar, stack, gw, cfg.timeout_s)
+        say(f"[2/6] add v{target} to the plan (no traffic yet)")
+        plan = write(
+            plan.with_changes(versions={**plan.versions, target: entry}), stack, gw, cfg.timeout_s
+        )  # the Plan checks that it takes the same features as the default
+        gw.wait(f"find v{target} ready", lambda: bool(gw.ready(plan.model, target)), cfg.timeout_s)
+        if evaluated:
+            say(f"[3/6] evaluate v{old} and v{target} through the gateway on {cfg.eval_data}")
+            base = evaluate_version(cfg, stack, old)
+            cand = evaluate_version(cfg, stack, target)
+            ok, table = compare(base, cand, cfg.margin)
+            say(table)
+            report["evaluation"] = {"default": base, "candidate": cand, "margin": cfg.margin}
+            if not ok:
+                say(f"refused: v{target} is withdrawn; v{old} keeps all traffic")
+                plan = withdraw(plan, target, cfg, stack, gw)
+                report["plan"] = plan.to_json()
+                return report
+        else:
+            say("[3/6] evaluation skipped" + (" (rollback)" if cfg.rollback else ""))
+        steps = cfg.rollback_steps if cfg.rollback else cfg.steps
+        for pct in steps:
+            if pct == 100:
+                break
+            say(f"[4/6] v{target} takes {pct}% of the traffic for {cfg.dwell_s:g} s")
+            plan = write(
+                plan.with_changes(traffic={old: 100 - pct, target: pct}), stack, gw, cfg.timeout_s
+            )
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < cfg.dwell_s:
+                if not gw.ready(plan.model, target):
+                    plan = write(plan.with_changes(traffic={}), stack, gw, cfg.timeout_s)
+                    raise RolloutError(
+                        f"v{target} left rotation at {pct}%: all traffic back to v{old}; "
+                        f"`make rollout VERSION={target}` to retry or roll it out of the plan"
+                    )
+                time.sleep(0.5)
+        say(f"[5/6] promote v{target} to default (previous: v{old})")
+        for ts in stack.replicas:
+            manage.set_default(ts, plan.model, target)
+        plan = write(
+            plan.with_changes(default=target, previous=old, traffic={}), stack, gw, cfg.timeout_s
+        )
+        report["promoted"] = True
+        say(f"[6/6] drain v{old} ({cfg.drain_s:g} s) and unregister it")
+        plan = withdraw(plan, old, cfg, stack, gw)
+        report["plan"] = plan.to_json()
+    finally:
+        gw.close()
+        report["seconds"] = round(time.monotonic() - t_start, 1)
+    say(f"done in {report['seconds']} s: {plan.model} v{target} serves all traffic")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: 0 promoted, 1 refused or stopped (the plan stays consistent), 2 bad use."""
+    try:
+        cfg = parse(RolloutConfig, argv, "python -m serving.rollout", __doc__.split("\n\n")[0])
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        report = rollout(cfg)
+    except (RolloutError, PlanError, manage.ManageError, AuthError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except grpc.RpcError as e:
+        print(f"error: the gateway: {e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    out = cfg.workdir / "rollouts" / f"{time.strftime('%Y%m%d-%H%M%S')}-v{report['to']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"report: {out}")
+    return 0 if report["promoted"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The serving plan (serving/plan.py) as pure functions, the gateway's watcher of it, and the
+TorchServe config written from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from serving import plan as plan_io
+from serving.gateway import PlanWatcher
+from serving.plan import Plan, PlanError, Version
+from serving.torchserve.config import TorchServeConfig, properties, served_versions
+from serving.validate import Schema
+
+DENSE, SPARSE = ("I1", "I2"), ("C1", "C2", "C3")
+
+
+def _plan(**changes: object) -> Plan:
+    base: dict[str, object] = {
+        "model": "m",
+        "default": "1",
+        "versions": {
+            "1": Version("m-1.mar", DENSE, SPARSE),
+            "2": Version("m-2.mar", DENSE, SPARSE),
+        },
+    }
+    return Plan(**{**base, **changes})  # type: ignore[arg-type]
+
+
+def test_choose_follows_the_shares_among_ready_versions() -> None:
+    p = _plan(traffic={"1": 95, "2": 5})
+    draws = [i / 1000 for i in range(1000)]
+    picked = [p.choose(lambda v: True, d) for d in draws]
+    assert picked.count("2") == 50 and picked.count("1") == 950
+    # a canary not ready takes nothing; nothing ready -> the default (its calls fail over)
+    assert {p.choose(lambda v: v == "1", d) for d in draws} == {"1"}
+    assert {p.choose(lambda v: False, d) for d in draws} == {"1"}
+    assert _plan().choose(lambda v: True, 0.99) == "1"  # no split: the default alone
+
+
+def test_invalid_plans_are_named() -> None:
+    with pytest.raises(PlanError, match="default version '3' is not among"):
+        _plan(default="3")
+    with pytest.raises(PlanError, match="add up to 90"):
+        _plan(traffic={"1": 80, "2": 10})
+    with pytest.raises(PlanError, match=r"traffic for versions not in the plan: \['9'\]"):
+        _plan(traffic={"1": 50, "9": 50})
+    other = {"1": Version("m-1.mar", DENSE, SPARSE), "2": Version("m-2.mar", DENSE, ("C1",))}
+    with pytest.raises(PlanError, match="share the request contract"):
+        _plan(versions=other)
+
+
+def test_save_load_round_trip_and_bad_files(tmp_path: Path) -> None:
+    p = _plan(traffic={"1": 50, "2": 50}, previous="0", cordon=("h:1",)).with_changes()
+    path = tmp_path / "plan.json"
+    plan_io.save(p, path)
+    assert plan_io.load(path) == p and p.generation == 1
+    assert [f.name for f in tmp_path.iterdir()] == ["plan.json"]  # no temporary left
+    path.write_text("{not json")
+    with pytest.raises(PlanError, match="unreadable serving plan"):
+        plan_io.load(path)
+    path.write_text(json.dumps({"model": "m", "default": "1", "versions": {"1": {"mar": "x"}}}))
+    with pytest.raises(PlanError, match=r"not a serving plan.*KeyError"):
+        plan_io.load(path)
+    with pytest.raises(PlanError, match="no serving plan"):
+        plan_io.load(tmp_path / "missing.json")
+
+
+def test_the_gateway_keeps_its_plan_when_the_file_goes_bad(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    plan_io.save(_plan(), path)
+    watcher = PlanWatcher(path, Schema("m", "1", DENSE, SPARSE))
+    assert watcher.poll() == _plan()
+    assert watcher.poll() is None  # unchanged
+    path.write_text("[]")
+    assert watcher.poll() is None  # logged, the plan in use stays
+    plan_io.save(_plan(model="other"), path)
+    assert watcher.poll() is None  # another model: not this gateway's
+    plan_io.save(_plan(default="2").with_changes(), path)
+    assert watcher.poll() == _plan(default="2").with_changes()
+
+
+def test_torchserve_registers_the_plans_versions(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    cfg = TorchServeConfig(model_name="m", model_version="1", plan=str(path))
+    assert served_versions(cfg) == ("m", {"1": "m-1.mar"}, "1")  # no plan yet: the one model
+    plan_io.save(_plan(default="2"), path)
+    props = properties(cfg)
+    models = json.loads(str(props["models"]))["m"]
+    assert props["load_models"] == "m-1.mar,m-2.mar"
+    assert {v: (e["marName"], e["defaultVersion"]) for v, e in models.items()} == {
+        "1": ("m-1.mar", False),
+        "2": ("m-2.mar", True),
+    }
+    assert props["enable_model_api"] == "true"

@@ -1,0 +1,199 @@
+"""Several versions and rollouts on the real stack: ``make serve`` with two TorchServe replicas,
+``python -m serving.rollout`` under a running Locust load, Triton's client routing versions.
+
+Three archives of one model: v1 (the tiny run's step-30 checkpoint), v2 (its step 40) and v3, a
+candidate worse on purpose (two training steps). v1 -> v2 is promoted, v3 is refused, a
+replica restarted after the promotion loads v2 (not the archive it first started with), and
+``--rollback`` returns to v1; Locust's calls all succeed meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
+
+from loadtest import report
+from recsys_stack.net import free_ports
+from serving import plan as plan_io
+from serving.auth import client_token
+from serving.supervisor import read_state, replicas
+from serving.torchserve import manage, process
+from tests.conftest import EXPORT_TINY, ROOT, _env, run_export, run_train
+from tests.stack import STARTUP_TIMEOUT_S
+
+MODEL = "dlrm-tiny"
+
+
+@pytest.fixture(scope="module")
+def versions(
+    trained: Path, data_dirs: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, Path], Path]:
+    """(model store, {version: export folder}, the labelled TSV the runs trained on)."""
+    base = tmp_path_factory.mktemp("ro")
+    run = base / "run"  # a copy: exporting writes <run>/export, which other tests read
+    shutil.copytree(trained / "checkpoints", run / "checkpoints")
+    shutil.copy(trained / "config.json", run / "config.json")
+    store = base / "store"
+    exports: dict[str, Path] = {}
+    steps = sorted((run / "checkpoints").glob("step_*"))
+    assert len(steps) >= 2, steps
+    for version, ckpt in (("1", steps[0]), ("2", steps[-1])):
+        run_export(["--checkpoint", str(ckpt), "--version", version, "--model-store", str(store),
+                    "--no-portable"])  # fmt: skip
+        exports[version] = shutil.copytree(run / "export", base / f"export-{version}")
+    bad = base / "bad"  # worse on purpose: two steps of training
+    run_train([*EXPORT_TINY, "--run-dir", str(bad), *data_dirs, "train.max_steps=2"], nproc=0)
+    run_export(["--run-dir", str(bad), "--version", "3", "--model-store", str(store),
+                "--no-portable"])  # fmt: skip
+    exports["3"] = bad / "export"
+    synthetic = Path(data_dirs[1].split("=", 1)[1].strip('"'))
+    return store, exports, next(synthetic.glob("*.tsv"))
+
+
+def _python(module: str, *args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+@contextlib.contextmanager
+def locust(target: str, data: Path, out: Path, env: dict[str, str]) -> Iterator[dict[str, Any]]:
+    """Locust (4 users, 100 examples per call) for the block; the dict gets its summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    lenv = dict(env, RECSYS_GATEWAY=target, LOADTEST_DATA=str(data), LOADTEST_EXAMPLES="100",
+                LOADTEST_TIMEOUT_S="5")  # fmt: skip
+    cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"),
+           "--headless", "--host", target, "-u", "4", "-r", "4", "-t", "900s",
+           "--csv", str(out / "locust"), "--only-summary", "--stop-timeout", "2"]  # fmt: skip
+    with (out / "locust.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=lenv, stdout=log, stderr=subprocess.STDOUT)
+    summary: dict[str, Any] = {}
+    try:
+        yield summary
+    finally:
+        proc.send_signal(signal.SIGTERM)  # Locust stops its users and writes its CSVs
+        proc.wait(timeout=60)
+    summary.update(report.summarize(out / "locust"))
+    print("locust:", {k: summary[k] for k in ("requests", "failures", "failures_by_type")})
+
+
+def _scores(target: str, token: str, rows: dict[str, np.ndarray], version: str = "") -> tuple[np.ndarray, str]:  # fmt: skip
+    """The sample rows through the gateway's KServe v2 service with Triton's own client."""
+    inputs = []
+    for name, datatype in (("dense", "FP32"), ("values", "INT64"), ("lengths", "INT32")):
+        t = triton.InferInput(name, list(rows[name].shape), datatype)
+        t.set_data_from_numpy(rows[name])
+        inputs.append(t)
+    with triton.InferenceServerClient(target) as client:
+        result = client.infer(MODEL, inputs, model_version=version,
+                              headers={"authorization": f"Bearer {token}"}, client_timeout=30)  # fmt: skip
+        return result.as_numpy("scores"), result.get_response().model_version
+
+
+def _expected(export: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    s = np.load(export / "sample.npz")
+    variant = json.loads((export / "schema.json").read_text())["served_variant"]
+    return {k: s[k] for k in ("dense", "values", "lengths")}, s[f"probs_{variant}"]
+
+
+def _metric(target_metrics: str, name: str) -> dict[str, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{target_metrics}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        s.labels.get("model_version", ""): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name
+    }
+
+
+def test_rollout_refusal_restart_and_rollback_under_load(
+    versions: tuple[Path, dict[str, Path], Path], tmp_path: Path
+) -> None:
+    store, exports, data = versions
+    workdir = tmp_path / "serve"
+    env = _env({"RECSYS_SERVE_DIR": str(workdir), "RECSYS_MODEL_STORE": str(store)})
+    p = free_ports(7)
+    ts_ports = dict(zip(("inference", "management", "metrics", "grpc-inference",
+                         "grpc-management"), p[:5], strict=True))  # fmt: skip
+    start = _python(
+        "serving.supervisor", "start", "--gateway.schema", str(exports["1"] / "schema.json"),
+        "--replicas", "2", "--torchserve.workers", "1", "--gateway.port", str(p[5]),
+        "--gateway.metrics.port", str(p[6]), f"--timeout-s={STARTUP_TIMEOUT_S}",
+        *(a for k, v in ts_ports.items() for a in (f"--torchserve.{k}-port", str(v))),
+        env=env,
+    )  # fmt: skip
+    restarted: subprocess.Popen[bytes] | None = None
+    try:
+        assert start.returncode == 0, start.stderr
+        target, metrics_at = f"127.0.0.1:{p[5]}", f"127.0.0.1:{p[6]}"
+        token = client_token(str(workdir / "gateway_token"))
+        assert token
+        plan_file = Path(read_state(workdir)["plan"])
+        rollout = ("serving.rollout", "--eval-data", str(data), "--dwell-s", "2", "--drain-s",
+                   "2", "--no-progress")  # fmt: skip
+
+        with locust(target, data, tmp_path / "load-1", env) as load:
+            ok = _python(*rollout, "--version", "2", "--margin", "0.05", env=env)
+            assert ok.returncode == 0, ok.stderr
+            assert "promote v2 to default" in ok.stdout
+            rows, want = _expected(exports["2"])
+            got, served = _scores(target, token, rows)
+            assert served == "2"
+            np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)  # v2's artifact, not v1's
+
+            bad = _python(*rollout, "--version", "3", "--margin", "0.002", env=env)
+            assert bad.returncode == 1, bad.stderr
+            assert "refused: v3 is withdrawn; v2 keeps all traffic" in bad.stdout
+        assert load["requests"] > 100 and load["failures"] == 0, load
+        plan = plan_io.load(plan_file)
+        assert (plan.default, list(plan.versions), plan.traffic) == ("2", ["2"], {})
+        assert plan.previous == "1"
+        for ts in replicas(workdir):  # v1 drained and unregistered, v3 never kept
+            assert manage.versions(ts, MODEL) == {"2": 1}
+        seen = _metric(metrics_at, "recsys_gateway_version_requests_total")
+        assert seen.get("1", 0) > 0 and seen.get("2", 0) > 0, seen  # both took Locust's calls
+
+        # a replica that restarts loads the plan's versions, not the archive it started with
+        state = read_state(workdir)["replicas"][1]
+        ts = replicas(workdir)[1]
+        process.stop(state["pid"])
+        restarted = process.start(ts)
+        process.wait_ready(ts, STARTUP_TIMEOUT_S, restarted)
+        assert manage.versions(ts, MODEL) == {"2": 1}
+
+        with locust(target, data, tmp_path / "load-2", env) as load:
+            back = _python(*rollout[:1], "--rollback", "--drain-s", "2", env=env)
+            assert back.returncode == 0, back.stderr
+            rows, want = _expected(exports["1"])
+            got, served = _scores(target, token, rows)
+            assert served == "1"
+            np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+            with pytest.raises(InferenceServerException, match=r"NOT_FOUND|not served"):
+                _scores(target, token, rows, version="2")  # drained and unregistered
+        assert load["requests"] > 50 and load["failures"] == 0, load
+        assert plan_io.load(plan_file).default == "1"
+    except Exception:
+        print((workdir / "gateway.log").read_text(errors="replace")[-4000:])
+        raise
+    finally:
+        if restarted is not None:
+            process.stop(restarted)
+        _python("serving.supervisor", "stop", env=env)
