@@ -10,14 +10,17 @@ Two rules, checked before a request joins the coalescer's queue:
   is refused at once with DEADLINE_EXCEEDED, instead of using a slot for an answer that would
   arrive too late.
 
-Both refusals cost microseconds and leave what is already in flight untouched. While the budget
-has no room left for a request of the largest size, :class:`AdmissionInterceptor` refuses
-scoring calls before their request is even read (a refused megabyte request costs its caller
-and the gateway no upload), so refusals stay fast however large the requests are.
+Both refusals cost microseconds and leave what is already in flight untouched.
+:class:`AdmissionInterceptor` applies the budget before a scoring call's request is even read:
+calls past that door and not yet admitted (receiving, decoding) count as requests of the recent
+average size, and a call that would not fit with them is refused before its upload (a refused megabyte request costs its caller and the
+gateway no upload). Without that, a burst of large requests all passes the door while nothing
+is admitted yet, uploads, and is refused only after, each refusal as slow as an upload.
 """
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +32,8 @@ from serving.errors import ScoreError
 
 # weight of the newest backend call in the latency average: ~the last 10 calls matter
 EWMA_WEIGHT = 0.1
+# the place a call holds at the door (examples expected), per task: admit() converts it
+_DOOR: contextvars.ContextVar[float] = contextvars.ContextVar("admission_door", default=0.0)
 
 
 @dataclass
@@ -41,12 +46,25 @@ class Admission:
     latency_s: float = 0.0
     """Recent backend call latency, seconds (0 until the first call)."""
     refused: int = 0
+    reserved: float = 0.0
+    """Examples expected from the calls past the door not admitted yet (receiving or decoding
+    their request): each counts as a request of the recent average size."""
+    avg_examples: float = 0.0
+    """Recent examples per admitted request (0 until the first)."""
 
     def admit(self, examples: int, time_remaining: float | None) -> None:
         """Reserve ``examples`` or raise :class:`ScoreError` (the caller must :meth:`release`
         exactly what was admitted)."""
         self.check(examples, time_remaining)
         self.in_flight += examples
+        own = _DOOR.get()
+        if own:  # this call's place at the door becomes its real size
+            self.reserved -= own
+            _DOOR.set(0.0)
+        if self.avg_examples == 0.0:
+            self.avg_examples = float(examples)
+        else:
+            self.avg_examples += EWMA_WEIGHT * (examples - self.avg_examples)
 
     def check(self, examples: int, time_remaining: float | None) -> None:
         """Raise :class:`ScoreError` when :meth:`admit` would refuse (reserves nothing): lets
@@ -78,9 +96,22 @@ class Admission:
             f"{self.max_examples}; retry with backoff",
         )
 
-    def full(self, largest: int) -> bool:
-        """No room left for a request of ``largest`` examples."""
-        return self.in_flight > 0 and self.in_flight + largest > self.max_examples
+    def door_full(self) -> bool:
+        """No room for one more call: what is admitted, plus what the calls past the door are
+        expected to bring, plus this one, is over the budget."""
+        busy = self.in_flight + self.reserved
+        return busy > 0 and busy + self.avg_examples > self.max_examples
+
+    def enter(self) -> contextvars.Token[float]:
+        """A call passes the door: hold the recent average size for it until :meth:`admit`
+        (in the same task) or :meth:`leave`."""
+        self.reserved += self.avg_examples
+        return _DOOR.set(self.avg_examples)
+
+    def leave(self, token: contextvars.Token[float]) -> None:
+        """The call is done: drop its place at the door if :meth:`admit` did not take it."""
+        self.reserved -= _DOOR.get()
+        _DOOR.reset(token)
 
     def release(self, examples: int) -> None:
         self.in_flight -= examples
@@ -94,26 +125,50 @@ class Admission:
 
 
 class AdmissionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuses the scoring ``methods`` with RESOURCE_EXHAUSTED while ``admission`` has no room
-    for a request of ``largest`` examples, before the request is read: the refusal is a
-    stream-unary handler, which gRPC starts without receiving the request first."""
+    """The budget at the door of the scoring ``methods``, before their request is read.
 
-    def __init__(self, admission: Admission, methods: Collection[str], largest: int) -> None:
+    Each such call gets a stream-unary handler (gRPC starts those without receiving the request
+    first) that refuses at once with RESOURCE_EXHAUSTED when :meth:`Admission.door_full`, and
+    otherwise holds a place for it (the recent average request size) while it reads and decodes
+    the one request, until the unary handler it wraps admits the request's real size. Other
+    methods pass.
+    """
+
+    def __init__(self, admission: Admission, methods: Collection[str]) -> None:
         self.admission = admission
         self.methods = frozenset(methods)
-        self.largest = largest
+        self._gates: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-        async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
-            e = self.admission.refusal()
-            await context.abort(e.code, e.message)
+    def _gate(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        inner = handler.unary_unary
+        admission = self.admission
 
-        self._refuse = grpc.stream_unary_rpc_method_handler(refuse)
+        async def gate(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            if admission.door_full():
+                e = admission.refusal()
+                await context.abort(e.code, e.message)
+            token = admission.enter()
+            try:
+                request = await context.read()
+                if request is grpc.aio.EOF:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+                return await inner(request, context)  # its admit() takes over the place
+            finally:
+                admission.leave(token)
+
+        return grpc.stream_unary_rpc_method_handler(
+            gate, handler.request_deserializer, handler.response_serializer
+        )
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        if details.method in self.methods and self.admission.full(self.largest):
-            return self._refuse
-        return await continuation(details)
+        handler = await continuation(details)
+        if details.method not in self.methods or handler is None or handler.unary_unary is None:
+            return handler
+        hit = self._gates.get(id(handler))
+        if hit is None or hit[0] is not handler:
+            hit = self._gates[id(handler)] = (handler, self._gate(handler))
+        return hit[1]

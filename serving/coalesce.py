@@ -45,21 +45,38 @@ class ScoreCountError(ValueError):
     """The backend returned another number of scores than the call had examples."""
 
 
+# merges of more array bytes than this run in a thread: health checks and refusals keep
+# flowing on the event loop while megabytes are copied
+OFFLOAD_BYTES = 1 << 20
+# up to this many parts, ids are merged by slicing (parts x features copies); beyond, by one
+# stable sort of all ids by feature (many small requests: few ids, many slices)
+SLICE_PARTS = 8
+
+
 def merge(parts: Sequence[Arrays]) -> Arrays:
     """Concatenate encoded batches: dense and lengths along B, ids kept feature-major.
 
-    Within each feature, the ids of part 0 come first, then part 1's, ...: a stable sort of
-    all ids by feature, with no loop over examples.
+    Within each feature, the ids of part 0 come first, then part 1's, ...; no loop over
+    examples. A few large parts are merged by copying each part's slice of each feature (a
+    sort of millions of ids would hold the event loop for a few hundred ms); many small ones
+    by a stable sort of all ids by feature.
     """
     if len(parts) == 1:
         return parts[0]
     dense = np.concatenate([p[0] for p in parts], axis=0)
     lengths = np.concatenate([p[2] for p in parts], axis=1)
-    values = np.concatenate([p[1] for p in parts])
     n_features = lengths.shape[0]
-    feature = np.concatenate(
-        [np.repeat(np.arange(n_features), p[2].sum(axis=1, dtype=np.int64)) for p in parts]
-    )
+    per_feature = [p[2].sum(axis=1, dtype=np.int64) for p in parts]
+    if len(parts) <= SLICE_PARTS:
+        ends = [np.cumsum(n) for n in per_feature]
+        pieces = [
+            p[1][e[f] - n[f] : e[f]]
+            for f in range(n_features)
+            for p, e, n in zip(parts, ends, per_feature, strict=True)
+        ]
+        return dense, np.concatenate(pieces), lengths
+    values = np.concatenate([p[1] for p in parts])
+    feature = np.concatenate([np.repeat(np.arange(n_features), n) for n in per_feature])
     order = np.argsort(feature, kind="stable")
     return dense, values[order], lengths
 
@@ -172,7 +189,12 @@ class Coalescer:
             self.stats.largest = max(self.stats.largest, sum(sizes))
             metrics.backend_call(len(batch), sum(sizes))
             try:
-                scores, backend = await self.send(merge([m.arrays for m in batch]), remaining)
+                parts = [m.arrays for m in batch]
+                if len(parts) > 1 and sum(m.nbytes for m in batch) > OFFLOAD_BYTES:
+                    merged = await asyncio.to_thread(merge, parts)  # numpy copies free the loop
+                else:
+                    merged = merge(parts)
+                scores, backend = await self.send(merged, remaining)
             except Exception as e:  # every member gets the backend's error
                 for m in batch:
                     if not m.future.done():

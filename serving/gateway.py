@@ -104,7 +104,10 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
     ) -> tuple[np.ndarray, str]:
         """One TorchServe call for (possibly merged) validated arrays -> scores f32[B]; the one
         place that checks a reply has a score per example (both paths go through here)."""
-        body = encode_request(*arrays)
+        if arrays[1].nbytes > OFFLOAD_BYTES:  # megabytes of ids: copied off the event loop
+            body = await asyncio.to_thread(encode_request, *arrays)
+        else:
+            body = encode_request(*arrays)
         started = time.monotonic()
         prediction, backend = await self.pool.predict(body, version, time_remaining)
         self.admission.observe(time.monotonic() - started)
@@ -322,7 +325,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     ranker = Ranker(cfg, schema, pool, plan)
     apply_plan(ranker, plan)
     scoring = (f"/{SERVICE}/Score", f"/{kserve.SERVICE}/ModelInfer")
-    admission = AdmissionInterceptor(ranker.admission, scoring, cfg.limits.max_examples)
+    admission = AdmissionInterceptor(ranker.admission, scoring)
     # metrics outermost: refused calls are counted with their code too; admission after auth:
     # an unauthenticated caller learns nothing about the load
     server = grpc.aio.server(

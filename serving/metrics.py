@@ -210,7 +210,7 @@ def failover(backend: str) -> None:
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Counts unary calls by method and final code and times them (streams pass untouched).
+    """Counts unary and stream-unary calls by method and final code and times them.
 
     Wrapped handlers are cached per handler object: per call, one dict lookup, a gauge inc/dec,
     an observe and a counter inc on label children made once (a code's on its first call, so
@@ -226,7 +226,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
+        if handler is None or (handler.unary_unary or handler.stream_unary) is None:
             return handler
         hit = self._wrapped.get(id(handler))
         if hit is None or hit[0] is not handler:
@@ -234,7 +234,9 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return hit[1]
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        inner = handler.unary_unary
+        """The handler, timed and counted (unary-unary, or stream-unary: the scoring calls
+        behind the admission gate, serving/admission.py)."""
+        inner = handler.unary_unary or handler.stream_unary
         latency = self.m.latency.labels(method)
         in_flight = self.m.in_flight
         requests = self.m.requests
@@ -263,9 +265,12 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     counter = by_code[code] = requests.labels(method, name)
                 counter.inc()
 
-        return grpc.unary_unary_rpc_method_handler(
-            behavior, handler.request_deserializer, handler.response_serializer
+        make = (
+            grpc.unary_unary_rpc_method_handler
+            if handler.unary_unary
+            else grpc.stream_unary_rpc_method_handler
         )
+        return make(behavior, handler.request_deserializer, handler.response_serializer)
 
 
 class MetricsServer:

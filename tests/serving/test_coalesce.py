@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from serving.client import build_request
-from serving.coalesce import Arrays, Coalescer, Expired, merge, split
+from serving.coalesce import SLICE_PARTS, Arrays, Coalescer, Expired, merge, split
 from serving.codec import to_rows
 from serving.config import CoalesceConfig
 from serving.stubs import ranker_pb2_grpc
@@ -56,6 +56,9 @@ def test_merge_keeps_every_example_whole_and_in_order() -> None:
     expected = [ex for p in parts for ex in _by_example(p)]
     assert _by_example(merged) == expected
     np.testing.assert_array_equal(merged[0], np.concatenate([p[0] for p in parts]))
+    many = [_batch(rng, b, 100 * k) for k, b in enumerate([1, 2, 1, 3] * 3)]  # sort path
+    assert len(many) > SLICE_PARTS >= len(parts)  # and the slicing path above
+    assert _by_example(merge(many)) == [ex for p in many for ex in _by_example(p)]
     assert [s.tolist() for s in split(np.arange(11.0), [3, 1, 5, 2])] == [
         [0, 1, 2], [3], [4, 5, 6, 7, 8], [9, 10],
     ]  # fmt: skip
