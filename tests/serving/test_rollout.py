@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 from loadtest import report
 from recsys_stack.net import free_ports
+from serving import evaluate
 from serving import plan as plan_io
 from serving.auth import client_token
 from serving.supervisor import read_state, replicas
@@ -147,11 +149,23 @@ def test_rollout_refusal_restart_and_rollback_under_load(
         token = client_token(str(workdir / "gateway_token"))
         assert token
         plan_file = Path(read_state(workdir)["plan"])
-        rollout = ("serving.rollout", "--eval-data", str(data), "--dwell-s", "2", "--drain-s",
-                   "2", "--no-progress")  # fmt: skip
+        make = shutil.which("make")
+        assert make, "make not found: `apt-get install make`"
+        venv = Path(sys.executable).parent.parent
+
+        def run(target: str, *args: str) -> subprocess.CompletedProcess[str]:
+            """``make rollout`` / ``make rollback`` as a user runs them (this venv, not rebuilt)."""
+            cmd = [make, "--no-print-directory", "-o", f"{venv}/.installed", target,
+                   f"VENV={venv}", f"EVAL_DATA={data}", *args]  # fmt: skip
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=600)  # fmt: skip
+            print(proc.stdout[-3000:], proc.stderr[-3000:])
+            return proc
+
+        steps = "--dwell-s 2 --drain-s 2 --no-progress"
 
         with locust(target, data, tmp_path / "load-1", env) as load:
-            ok = _python(*rollout, "--version", "2", "--margin", "0.05", env=env)
+            ok = run("rollout", "VERSION=2", f"ROLLOUT_ARGS=--margin 0.05 {steps}")
             assert ok.returncode == 0, ok.stderr
             assert "promote v2 to default" in ok.stdout
             rows, want = _expected(exports["2"])
@@ -159,8 +173,8 @@ def test_rollout_refusal_restart_and_rollback_under_load(
             assert served == "2"
             np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)  # v2's artifact, not v1's
 
-            bad = _python(*rollout, "--version", "3", "--margin", "0.002", env=env)
-            assert bad.returncode == 1, bad.stderr
+            bad = run("rollout", "VERSION=3", f"ROLLOUT_ARGS=--margin 0.002 {steps}")
+            assert bad.returncode != 0, bad.stderr  # make: exit 2 for the command's exit 1
             assert "refused: v3 is withdrawn; v2 keeps all traffic" in bad.stdout
         assert load["requests"] > 100 and load["failures"] == 0, load
         plan = plan_io.load(plan_file)
@@ -170,6 +184,9 @@ def test_rollout_refusal_restart_and_rollback_under_load(
             assert manage.versions(ts, MODEL) == {"2": 1}
         seen = _metric(metrics_at, "recsys_gateway_version_requests_total")
         assert seen.get("1", 0) > 0 and seen.get("2", 0) > 0, seen  # both took Locust's calls
+        # v3 answered its evaluation's requests (which name it) and not one of Locust's
+        _, count = evaluate.row_window(data, 0.1, 0)
+        assert seen.get("3") == math.ceil(count / 1000), seen
 
         # a replica that restarts loads the plan's versions, not the archive it started with
         state = read_state(workdir)["replicas"][1]
@@ -180,7 +197,7 @@ def test_rollout_refusal_restart_and_rollback_under_load(
         assert manage.versions(ts, MODEL) == {"2": 1}
 
         with locust(target, data, tmp_path / "load-2", env) as load:
-            back = _python(*rollout[:1], "--rollback", "--drain-s", "2", env=env)
+            back = run("rollback", "ROLLOUT_ARGS=--drain-s 2")
             assert back.returncode == 0, back.stderr
             rows, want = _expected(exports["1"])
             got, served = _scores(target, token, rows)
