@@ -21,7 +21,7 @@ is admitted yet, uploads, and is refused only after, each refusal as slow as an 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ import grpc
 
 from serving import metrics
 from serving.errors import ScoreError
+from serving.rpc import WrappingInterceptor
 
 # weight of the newest backend call in the latency average: ~the last 10 calls matter
 EWMA_WEIGHT = 0.1
@@ -124,7 +125,7 @@ class Admission:
             self.latency_s += EWMA_WEIGHT * (seconds - self.latency_s)
 
 
-class AdmissionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class AdmissionInterceptor(WrappingInterceptor):
     """The budget at the door of the scoring ``methods``, before their request is read.
 
     Each such call gets a stream-unary handler (gRPC starts those without receiving the request
@@ -135,11 +136,14 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """
 
     def __init__(self, admission: Admission, methods: Collection[str]) -> None:
+        super().__init__()
         self.admission = admission
         self.methods = frozenset(methods)
-        self._gates: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    def _gate(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def wraps(self, method: str, handler: grpc.RpcMethodHandler) -> bool:
+        return method in self.methods and handler.unary_unary is not None
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner = handler.unary_unary
         admission = self.admission
 
@@ -159,16 +163,3 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return grpc.stream_unary_rpc_method_handler(
             gate, handler.request_deserializer, handler.response_serializer
         )
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if details.method not in self.methods or handler is None or handler.unary_unary is None:
-            return handler
-        hit = self._gates.get(id(handler))
-        if hit is None or hit[0] is not handler:
-            hit = self._gates[id(handler)] = (handler, self._gate(handler))
-        return hit[1]

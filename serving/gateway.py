@@ -35,8 +35,7 @@ from serving.coalesce import Arrays, Coalescer, Expired, ScoreCountError
 from serving.codec import HEADER, CodecError, body_bytes, decode_response, encode_request
 from serving.config import GatewayConfig
 from serving.errors import ScoreError
-from serving.plan import Plan, PlanError, ordered
-from serving.plan import Version as PlanVersion
+from serving.plan import Plan, PlanError, PlanWatcher, ordered, schema_plan
 from serving.rpc import add_servicer
 from serving.stubs import kserve_pb2, ranker_pb2, ranker_pb2_grpc, reflection_pool
 from serving.torchserve.keys import KeyFileError, read_keys
@@ -208,52 +207,6 @@ def backend_options(cfg: GatewayConfig) -> list[tuple[str, int]]:
     envelope), whatever the public request limit is."""
     size = cfg.backend_max_bytes + 64 * 1024
     return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
-
-
-class PlanWatcher:
-    """Re-reads the serving plan file when it changes (mtime, size); a plan that cannot be
-    served here (unreadable, another model, another request contract) is logged once and the
-    gateway keeps the plan it has."""
-
-    def __init__(self, path: Path, schema: Schema) -> None:
-        self.path = path
-        self.schema = schema
-        self._stamp: tuple[int, int] | None = None
-
-    def check(self, p: Plan) -> Plan:
-        if p.model != self.schema.model_name or (p.dense, p.sparse) != (
-            self.schema.dense,
-            self.schema.sparse,
-        ):
-            raise PlanError(
-                f"{self.path}: plans model {p.model} and its features, but this gateway was "
-                f"started for {self.schema.model_name}'s request contract (restart it with "
-                "the new model's schema)"
-            )
-        return p
-
-    def poll(self) -> Plan | None:
-        """The plan if the file changed since the last call (first call: always), else None."""
-        try:
-            st = self.path.stat()
-        except OSError:
-            stamp = None
-        else:
-            stamp = (st.st_mtime_ns, st.st_size)
-        if stamp == self._stamp and stamp is not None:
-            return None
-        self._stamp = stamp
-        try:
-            return self.check(plan_io.load(self.path))
-        except PlanError as e:
-            logger.error("%s; still serving the plan loaded before", e)
-            return None
-
-
-def schema_plan(schema: Schema) -> Plan:
-    """The one-version plan of a schema (a gateway started without a plan file)."""
-    entry = PlanVersion("", schema.dense, schema.sparse)
-    return Plan(schema.model_name, schema.model_version, {schema.model_version: entry})
 
 
 def apply_plan(ranker: Ranker, plan: Plan) -> None:

@@ -32,11 +32,13 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from serving.rpc import WrappingInterceptor
 
 logger = logging.getLogger("serving.metrics")
 PREFIX = "recsys_gateway"
@@ -209,7 +211,7 @@ def failover(backend: str) -> None:
 # --- the gRPC side ---------------------------------------------------------------------------
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class MetricsInterceptor(WrappingInterceptor):
     """Counts unary and stream-unary calls by method and final code and times them.
 
     Wrapped handlers are cached per handler object: per call, one dict lookup, a gauge inc/dec,
@@ -217,23 +219,13 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     /metrics lists the codes that happened, not every code of every method)."""
 
     def __init__(self, m: GatewayMetrics) -> None:
+        super().__init__()
         self.m = m
-        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or (handler.unary_unary or handler.stream_unary) is None:
-            return handler
-        hit = self._wrapped.get(id(handler))
-        if hit is None or hit[0] is not handler:
-            hit = self._wrapped[id(handler)] = (handler, self._wrap(details.method, handler))
-        return hit[1]
+    def wraps(self, method: str, handler: grpc.RpcMethodHandler) -> bool:
+        return (handler.unary_unary or handler.stream_unary) is not None
 
-    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """The handler, timed and counted (unary-unary, or stream-unary: the scoring calls
         behind the admission gate, serving/admission.py)."""
         inner = handler.unary_unary or handler.stream_unary

@@ -19,15 +19,20 @@ new one, never half of one. ``generation`` grows with every write.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the gateway's schema (numpy-free import here: TorchServe's config reads plans)
+    from serving.validate import Schema
 
 PLAN_FILE = "plan.json"
+logger = logging.getLogger("serving.plan")
 
 
 class PlanError(ValueError):
@@ -215,3 +220,49 @@ def ordered(plan: Plan) -> Iterable[str]:
     """The plan's versions, default first (how metadata lists them)."""
     yield plan.default
     yield from (v for v in plan.versions if v != plan.default)
+
+
+class PlanWatcher:
+    """Re-reads the serving plan file when it changes (mtime, size); a plan that cannot be
+    served here (unreadable, another model, another request contract) is logged once and the
+    gateway keeps the plan it has."""
+
+    def __init__(self, path: Path, schema: Schema) -> None:
+        self.path = path
+        self.schema = schema
+        self._stamp: tuple[int, int] | None = None
+
+    def check(self, p: Plan) -> Plan:
+        if p.model != self.schema.model_name or (p.dense, p.sparse) != (
+            self.schema.dense,
+            self.schema.sparse,
+        ):
+            raise PlanError(
+                f"{self.path}: plans model {p.model} and its features, but this gateway was "
+                f"started for {self.schema.model_name}'s request contract (restart it with "
+                "the new model's schema)"
+            )
+        return p
+
+    def poll(self) -> Plan | None:
+        """The plan if the file changed since the last call (first call: always), else None."""
+        try:
+            st = self.path.stat()
+        except OSError:
+            stamp = None
+        else:
+            stamp = (st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp and stamp is not None:
+            return None
+        self._stamp = stamp
+        try:
+            return self.check(load(self.path))
+        except PlanError as e:
+            logger.error("%s; still serving the plan loaded before", e)
+            return None
+
+
+def schema_plan(schema: Schema) -> Plan:
+    """The one-version plan of a schema (a gateway started without a plan file)."""
+    entry = Version("", schema.dense, schema.sparse)
+    return Plan(schema.model_name, schema.model_version, {schema.model_version: entry})

@@ -11,7 +11,7 @@ the message type, before the servicer's method runs. Works for any generated ser
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import grpc
@@ -88,3 +88,31 @@ def add_servicer(
     )
     server.add_registered_method_handlers(capture.service, handlers)
     return capture.service
+
+
+class WrappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """An interceptor that replaces some methods' handlers by wrapped ones, each made once per
+    handler object (per call: one dict lookup). Subclasses say which (:meth:`wraps`) and how
+    (:meth:`wrap`)."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def wraps(self, method: str, handler: grpc.RpcMethodHandler) -> bool:
+        raise NotImplementedError
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        raise NotImplementedError
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not self.wraps(details.method, handler):
+            return handler
+        hit = self._wrapped.get(id(handler))
+        if hit is None or hit[0] is not handler:
+            hit = self._wrapped[id(handler)] = (handler, self.wrap(details.method, handler))
+        return hit[1]

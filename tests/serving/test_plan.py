@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from serving import plan as plan_io
-from serving.gateway import PlanWatcher
-from serving.plan import Plan, PlanError, Version
+from serving.plan import Plan, PlanError, PlanWatcher, Version
 from serving.torchserve.config import TorchServeConfig, properties, served_versions
 from serving.validate import Schema
 
