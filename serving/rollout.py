@@ -244,16 +244,19 @@ def register_everywhere(
 ) -> Plan:
     """Register on one replica after the other, each cordoned while it loads and warms the
     version (the gateway sends its calls to the others, whose CPU is not busy loading)."""
-    for ts in stack.replicas:
-        t0 = time.monotonic()
-        if len(stack.replicas) > 1:
-            plan = write(plan.with_changes(cordon=(ts.grpc_inference_target,)), stack, gw, timeout)
-        manage.register(ts, plan.model, version, mar, timeout)
-        manage.wait_ready(ts, plan.model, version, timeout)
-        took = time.monotonic() - t0
-        say(f"  {ts.grpc_inference_target}: {plan.model} v{version} READY ({took:.1f} s)")
-    if plan.cordon:
-        plan = write(plan.with_changes(cordon=()), stack, gw, timeout)
+    try:
+        for ts in stack.replicas:
+            t0 = time.monotonic()
+            if len(stack.replicas) > 1:
+                cordon = (ts.grpc_inference_target,)
+                plan = write(plan.with_changes(cordon=cordon), stack, gw, timeout)
+            manage.register(ts, plan.model, version, mar, timeout)
+            manage.wait_ready(ts, plan.model, version, timeout)
+            took = time.monotonic() - t0
+            say(f"  {ts.grpc_inference_target}: {plan.model} v{version} READY ({took:.1f} s)")
+    finally:  # a failed registration leaves no replica cordoned
+        if plan.cordon:
+            plan = write(plan.with_changes(cordon=()), stack, gw, timeout)
     return plan
 
 
@@ -295,6 +298,7 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
     name, version, entry = plan_io.version_from_schema(plan_io.read_mar_schema(store / mar), mar)
     if (name, version) != (plan.model, target):
         raise RolloutError(f"{store / mar} holds {name} v{version}, not {plan.model} v{target}")
+    plan.with_changes(versions={**plan.versions, target: entry})  # same features? before any change
     evaluated = cfg.evaluate and not cfg.rollback
     if evaluated and cfg.eval_data is None:
         raise RolloutError("no evaluation data: pass --eval-data FILE.tsv (or --no-evaluate)")
@@ -309,7 +313,7 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
         say(f"[2/6] add v{target} to the plan (no traffic yet)")
         plan = write(
             plan.with_changes(versions={**plan.versions, target: entry}), stack, gw, cfg.timeout_s
-        )  # the Plan checks that it takes the same features as the default
+        )
         gw.wait(f"find v{target} ready", lambda: bool(gw.ready(plan.model, target)), cfg.timeout_s)
         if evaluated:
             say(f"[3/6] evaluate v{old} and v{target} through the gateway on {cfg.eval_data}")
