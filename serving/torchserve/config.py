@@ -67,9 +67,10 @@ class TorchServeConfig:
     plan: str = env_field("RECSYS_SERVING_PLAN", "")
     """Serving plan file; when it exists, its versions (archives, default) are registered at
     start instead of the one model above. Empty = that one model."""
-    model_api: bool = True
+    model_api: bool = env_field("RECSYS_TS_MODEL_API", True)
     """TorchServe's model API (register/unregister at runtime, management key required):
-    ``make rollout`` needs it; off = the versions registered at start only."""
+    ``make rollout`` needs it; off = the versions registered at start only (compose turns it
+    off: nothing there rolls out)."""
     workers: int = env_field("RECSYS_TS_WORKERS", 0)
     """Worker processes for the model, min = max (no autoscaling surprises); 0 = one per core,
     TorchServe's own default (measured best on CPU, docs/bench.md). The handler splits the
