@@ -4,8 +4,8 @@ The supervisor (``make serve``) is made for a workstation: it starts TorchServe 
 session and returns once the model is READY, leaving it in the background. In a container PID 1
 must stay alive, so this script starts the same TorchServe (``serving.torchserve``: same
 ``TorchServeConfig`` through the same loader, same config.properties, token auth on, model API
-off as compose sets ``RECSYS_TS_MODEL_API=false``), stays in the foreground copying TorchServe's log to stdout, and on SIGTERM stops the
-whole group (launcher, java, workers).
+off as compose sets ``RECSYS_TS_MODEL_API=false``), stays in the foreground copying
+TorchServe's log to stdout, and on SIGTERM stops the whole group (launcher, java, workers).
 
 Configured like every entry point: ``--config FILE.toml``, flags, ``key=value`` and the
 variables ``python docker/torchserve_entry.py --help`` lists (``RECSYS_TS_*`` ports, workers,
