@@ -26,7 +26,6 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from recsys_stack.config import ConfigError, parse
 from serving import kserve, metrics
-from serving import plan as plan_io
 from serving.admission import Admission, AdmissionInterceptor
 from serving.auth import AuthError, check_exposure, server_credentials
 from serving.auth import interceptors as auth_interceptors
@@ -274,7 +273,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     m = metrics.configure(cfg.limits.max_examples, cfg.coalesce.max_examples)
     m.track_backends(pool.backends)
     watcher = PlanWatcher(Path(cfg.plan), schema) if cfg.plan else None
-    plan = (watcher.check(plan_io.load(Path(cfg.plan))) if watcher else None) or schema_plan(schema)
+    plan = watcher.load() if watcher else schema_plan(schema)
     ranker = Ranker(cfg, schema, pool, plan)
     apply_plan(ranker, plan)
     scoring = (f"/{SERVICE}/Score", f"/{kserve.SERVICE}/ModelInfer")
@@ -348,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         schema = Schema.load(cfg.schema)
         check_limits_fit(cfg, schema)
         if cfg.plan:  # readable, and for this gateway's model and request contract
-            PlanWatcher(Path(cfg.plan), schema).check(plan_io.load(Path(cfg.plan)))
+            PlanWatcher(Path(cfg.plan), schema).load()
         for path in cfg.key_files():
             try:  # TorchServe writes its keys when it starts: it may start after the gateway
                 read_keys(path)

@@ -157,15 +157,12 @@ class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc
         if name != plan.model:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"model '{clip(name)}' is not served here (this gateway serves '{plan.model}')",
+                f"model {clip(name)} is not served here (this gateway serves '{plan.model}')",
             )
-        version = version or plan.default
-        if version not in plan.versions:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"model_version '{clip(version)}' is not served here ({plan.model} versions: "
-                f"{', '.join(ordered(plan))})",
-            )
+        try:  # the gateway's one version check (Ranker.resolve), the default when none named
+            version = self.ranker.resolve(version or plan.default)
+        except ScoreError as e:
+            await context.abort(e.code, e.message)
         return version
 
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

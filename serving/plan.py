@@ -244,19 +244,26 @@ class PlanWatcher:
             )
         return p
 
-    def poll(self) -> Plan | None:
-        """The plan if the file changed since the last call (first call: always), else None."""
+    def _stat(self) -> tuple[int, int] | None:
         try:
             st = self.path.stat()
         except OSError:
-            stamp = None
-        else:
-            stamp = (st.st_mtime_ns, st.st_size)
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def load(self) -> Plan:
+        """The plan now in the file, checked for this gateway (:class:`PlanError` if it cannot
+        be served); :meth:`poll` returns nothing new until the file changes again."""
+        self._stamp = self._stat()  # before reading: a write meanwhile is seen by the next poll
+        return self.check(load(self.path))
+
+    def poll(self) -> Plan | None:
+        """The plan if the file changed since the last load (first call: always), else None."""
+        stamp = self._stat()
         if stamp == self._stamp and stamp is not None:
             return None
-        self._stamp = stamp
         try:
-            return self.check(load(self.path))
+            return self.load()
         except PlanError as e:
             logger.error("%s; still serving the plan loaded before", e)
             return None

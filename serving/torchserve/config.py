@@ -249,12 +249,13 @@ def on_free_ports(cfg: TorchServeConfig) -> TorchServeConfig:
 
 def write_properties(cfg: TorchServeConfig) -> Path:
     """Write ``<workdir>/config.properties`` for ``cfg``; returns its path."""
-    for mar in served_versions(cfg)[1].values():
+    props = properties(cfg)  # the plan read once: the archives checked are the ones written
+    for mar in str(props["load_models"]).split(","):
         archive = cfg.model_store.resolve() / mar
         if not archive.is_file():
             raise FileNotFoundError(f"{archive} not found: run `make export` or set mar_file")
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     path = cfg.workdir / "config.properties"
-    body = "".join(f"{k}={v}\n" for k, v in properties(cfg).items())
+    body = "".join(f"{k}={v}\n" for k, v in props.items())
     path.write_text(f"# written by serving.torchserve; edits are overwritten on start\n{body}")
     return path

@@ -44,16 +44,27 @@ def _call(cfg: TorchServeConfig, method: str, path: str, timeout: float = 30.0) 
         raise ManageError(f"{cfg.host}:{cfg.management_port}: {method} {path}: {e}") from None
 
 
+def describe(
+    cfg: TorchServeConfig, model: str, version: str = "all", timeout: float = 30.0
+) -> list[dict[str, Any]] | None:
+    """TorchServe's description of ``model`` ``version`` ("all": every version) on this
+    replica; None when it is not registered."""
+    code, body = _call(cfg, "GET", f"/models/{model}/{version}", timeout)
+    if code == 404:
+        return None
+    if code != 200:
+        raise ManageError(
+            f"{cfg.host}:{cfg.management_port}: describe {model} v{version}: {code} {body}"
+        )
+    out: list[dict[str, Any]] = body
+    return out
+
+
 def versions(cfg: TorchServeConfig, model: str) -> dict[str, int]:
     """``{version: READY workers}`` registered for ``model`` on this replica ({} if none)."""
-    code, body = _call(cfg, "GET", f"/models/{model}/all")
-    if code == 404:
-        return {}
-    if code != 200:
-        raise ManageError(f"{cfg.host}:{cfg.management_port}: describe {model}: {code} {body}")
     return {
         str(m["modelVersion"]): sum(w.get("status") == "READY" for w in m.get("workers", []))
-        for m in body
+        for m in describe(cfg, model) or []
     }
 
 

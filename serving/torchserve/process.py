@@ -8,7 +8,6 @@ until the model has a READY worker; ``stop`` ends the whole group (SIGTERM, then
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -17,19 +16,18 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import psutil  # a TorchServe dependency
 
+from serving.torchserve import manage
 from serving.torchserve.config import (
     TorchServeConfig,
     log_config_file,
     served_versions,
     write_properties,
 )
-from serving.torchserve.keys import read_keys
 
 logger = logging.getLogger(__name__)
 LOAD_FAILURES_FATAL = 3
@@ -112,14 +110,14 @@ def log_tail(cfg: TorchServeConfig, lines: int = 40) -> str:
 
 def describe(cfg: TorchServeConfig, timeout: float = 5.0) -> list[dict[str, Any]]:
     """The management API's description of the default version ``cfg`` registers at start
-    (raises if unreachable)."""
+    (raises :class:`~serving.torchserve.manage.ManageError` if unreachable or unregistered)."""
     name, _, default = served_versions(cfg)  # the plan's default when there is a plan
-    url = f"http://{cfg.host}:{cfg.management_port}/models/{name}/{default}"
-    key = read_keys(cfg.key_file)["management"]
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        out: list[dict[str, Any]] = json.loads(resp.read())
-    return out
+    models = manage.describe(cfg, name, default, timeout)
+    if models is None:
+        raise manage.ManageError(
+            f"{cfg.host}:{cfg.management_port}: {name} v{default} is not registered"
+        )
+    return models
 
 
 def ready_workers(cfg: TorchServeConfig) -> int:
