@@ -12,15 +12,21 @@ Two rules, checked before a request joins the coalescer's queue:
 
 Both refusals cost microseconds and leave what is already in flight untouched.
 :class:`AdmissionInterceptor` applies the budget before a scoring call's request is even read:
-calls past that door and not yet admitted (receiving, decoding) count as requests of the recent
-average size, and a call that would not fit with them is refused before its upload (a refused megabyte request costs its caller and the
-gateway no upload). Without that, a burst of large requests all passes the door while nothing
-is admitted yet, uploads, and is refused only after, each refusal as slow as an upload.
+calls past that door and not yet admitted (receiving, decoding) count as the largest request
+admitted in the last :data:`PEAK_WINDOW_S`, and a call that would not fit with them is refused
+before its upload (a refused megabyte request costs its caller and the gateway no upload).
+Without that, a burst of large requests all passes the door while nothing is admitted yet,
+uploads, and is refused only after, each refusal as slow as an upload. Before the first
+request is admitted nothing is known of sizes: calls count as the per-request limit, and one
+that does not fit waits, unread, for the first admission instead of being refused (a burst of
+small calls at a fresh gateway is served; a burst of large ones is refused once one is in).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +40,12 @@ from serving.rpc import WrappingInterceptor
 # weight of the newest backend call in the latency average: ~the last 10 calls matter
 EWMA_WEIGHT = 0.1
 # the place a call holds at the door (examples expected), per task: admit() converts it
+# a call at the door counts as the largest request admitted in this window (seconds): the
+# average let a burst of large requests in after small ones (64 x 1,000 examples after calls
+# of 10 all uploaded, and 1 in 10 of them was refused only after, in up to 1.3 s)
+PEAK_WINDOW_S = 10.0
+# how often a call waiting at the door before the first admission looks again
+DOOR_POLL_S = 0.002
 _DOOR: contextvars.ContextVar[float] = contextvars.ContextVar("admission_door", default=0.0)
 
 
@@ -52,6 +64,12 @@ class Admission:
     their request): each counts as a request of the recent average size."""
     avg_examples: float = 0.0
     """Recent examples per admitted request (0 until the first)."""
+    prior_examples: float = 0.0
+    """What a call at the door counts as before any request was admitted (the gateway: its
+    per-request limit, the worst case)."""
+    peak_examples: int = 0
+    """The largest request admitted in the last :data:`PEAK_WINDOW_S` (about)."""
+    peak_at: float = 0.0
 
     def admit(self, examples: int, time_remaining: float | None) -> None:
         """Reserve ``examples`` or raise :class:`ScoreError` (the caller must :meth:`release`
@@ -66,6 +84,9 @@ class Admission:
             self.avg_examples = float(examples)
         else:
             self.avg_examples += EWMA_WEIGHT * (examples - self.avg_examples)
+        now = time.monotonic()
+        if examples >= self.peak_examples or now - self.peak_at > PEAK_WINDOW_S:
+            self.peak_examples, self.peak_at = examples, now
 
     def check(self, examples: int, time_remaining: float | None) -> None:
         """Raise :class:`ScoreError` when :meth:`admit` would refuse (reserves nothing): lets
@@ -101,13 +122,20 @@ class Admission:
         """No room for one more call: what is admitted, plus what the calls past the door are
         expected to bring, plus this one, is over the budget."""
         busy = self.in_flight + self.reserved
-        return busy > 0 and busy + self.avg_examples > self.max_examples
+        return busy > 0 and busy + self.expected > self.max_examples
+
+    @property
+    def expected(self) -> float:
+        """Examples a call at the door counts as: the largest request of the last
+        :data:`PEAK_WINDOW_S` (the worst case, ``prior_examples``, before the first)."""
+        return float(self.peak_examples) if self.avg_examples else self.prior_examples
 
     def enter(self) -> contextvars.Token[float]:
         """A call passes the door: hold the recent average size for it until :meth:`admit`
         (in the same task) or :meth:`leave`."""
-        self.reserved += self.avg_examples
-        return _DOOR.set(self.avg_examples)
+        expected = self.expected
+        self.reserved += expected
+        return _DOOR.set(expected)
 
     def leave(self, token: contextvars.Token[float]) -> None:
         """The call is done: drop its place at the door if :meth:`admit` did not take it."""
@@ -148,9 +176,15 @@ class AdmissionInterceptor(WrappingInterceptor):
         admission = self.admission
 
         async def gate(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            if admission.door_full():
-                e = admission.refusal()
-                await context.abort(e.code, e.message)
+            while admission.door_full():
+                if admission.avg_examples:  # sizes known: refused at once
+                    e = admission.refusal()
+                    await context.abort(e.code, e.message)
+                # before the first admission the door counts every call at the worst case
+                # (``prior_examples``): a call that does not fit waits, unread, for the first
+                # real size (a burst of small calls at start is not refused for fear of large
+                # ones; a burst of large ones is refused once the first is admitted)
+                await asyncio.sleep(DOOR_POLL_S)
             token = admission.enter()
             try:
                 request = await context.read()

@@ -26,7 +26,7 @@ import numpy as np
 
 from serving import metrics
 from serving.codec import CodecError, decode_response, encode_request
-from serving.torchserve.client import inference_stub, predictions_request
+from serving.torchserve.client import PREDICTIONS, inference_pb2, predictions_envelope
 from serving.torchserve.keys import KeyFileError, KeySource
 
 logger = logging.getLogger("serving.backends")
@@ -99,7 +99,8 @@ class Backend:
     target: str
     keys: KeySource
     channel: grpc.aio.Channel
-    stub: Any
+    predictions: Any
+    """``Predictions`` taking a serialized request (``predictions_envelope`` + body)."""
     ready: dict[str, bool] = field(default_factory=dict)
     """Per model version: in rotation (its last probe passed and no outage since)."""
     calls: int = field(default=0)
@@ -130,8 +131,12 @@ class BackendPool:
         self.backends = []
         for target, key_file in zip(targets, files, strict=True):
             channel = grpc.aio.insecure_channel(target, options=channel_options)
-            stub = inference_stub(channel)
-            self.backends.append(Backend(target, KeySource(key_file), channel, stub))
+            predictions = channel.unary_unary(
+                PREDICTIONS,
+                request_serializer=None,
+                response_deserializer=inference_pb2.PredictionResponse.FromString,
+            )
+            self.backends.append(Backend(target, KeySource(key_file), channel, predictions))
         self.model_name = model_name
         self.deadline_s = deadline_s
         self.deadline_per_mb_s = deadline_per_mb_s
@@ -170,10 +175,16 @@ class BackendPool:
         """The backend deadline of a call: larger bodies take longer to move and score."""
         return self.deadline_s + self.deadline_per_mb_s * body_bytes / 1e6
 
+    def envelope(self, version: str, body_size: int) -> bytes:
+        """What goes before an RSB1 body of ``body_size`` bytes in a ``Predictions`` request
+        for ``version`` (:meth:`predict` takes the two as one buffer)."""
+        return predictions_envelope(self.model_name, version, body_size)
+
     async def predict(
-        self, body: bytes, version: str, time_remaining: float | None
+        self, request: bytes, version: str, time_remaining: float | None
     ) -> tuple[bytes, str]:
-        """Score ``body`` on one backend, failing over to another on an outage.
+        """Score ``request`` (:meth:`envelope` + body, for ``version``) on one backend,
+        failing over to another on an outage.
 
         Returns the prediction and the target of the backend that answered."""
         loop = asyncio.get_running_loop()
@@ -186,11 +197,11 @@ class BackendPool:
             left = None if end is None else end - loop.time()
             if left is not None and left <= 0:
                 break
-            own = self.timeout(len(body))
+            own = self.timeout(len(request))
             client_bound = left is not None and left < own
             backend.in_flight += 1
             try:
-                reply = await self._call(backend, version, body, left if client_bound else own)
+                reply = await self._call(backend, request, left if client_bound else own)
                 backend.calls += 1
                 return bytes(reply.prediction), backend.target
             except grpc.aio.AioRpcError as e:
@@ -213,12 +224,11 @@ class BackendPool:
             metrics.failover(backend.target)
         raise last or BackendError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
 
-    async def _call(
-        self, backend: Backend, version: str, body: bytes, timeout: float | None = None
-    ) -> Any:
-        """One ``Predictions`` call; ``timeout`` None = the backend deadline."""
-        return await backend.stub.Predictions(
-            predictions_request(self.model_name, version, body),
+    async def _call(self, backend: Backend, request: bytes, timeout: float | None = None) -> Any:
+        """One ``Predictions`` call of a serialized request; ``timeout`` None = the backend
+        deadline."""
+        return await backend.predictions(
+            request,
             metadata=backend.keys.metadata(),
             timeout=self.deadline_s if timeout is None else timeout,
         )
@@ -226,7 +236,8 @@ class BackendPool:
     async def probe(self, backend: Backend, version: str, dense: int, sparse: int) -> bool:
         """A one-example call; healthy when it answers one probability in [0, 1]."""
         try:
-            reply = await self._call(backend, version, probe_body(dense, sparse))
+            body = probe_body(dense, sparse)
+            reply = await self._call(backend, self.envelope(version, len(body)) + body)
             problem = probe_problem(bytes(reply.prediction))
         except (grpc.aio.AioRpcError, KeyFileError) as e:
             problem = str(e.details() if isinstance(e, grpc.aio.AioRpcError) else e)

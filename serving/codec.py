@@ -43,8 +43,9 @@ def body_bytes(examples: int, dense: int, sparse: int, ids: int) -> int:
     return HEADER.size + 4 * examples * dense + 4 * sparse * examples + 8 * ids
 
 
-def encode_request(dense: Any, values: Any, lengths: Any) -> bytes:
-    """``dense f32[B,D]``, ``values i64[N]``, ``lengths i32[F,B]`` -> RSB1 bytes."""
+def encode_request(dense: Any, values: Any, lengths: Any, prefix: bytes = b"") -> bytes:
+    """``dense f32[B,D]``, ``values i64[N]``, ``lengths i32[F,B]`` -> RSB1 bytes, after
+    ``prefix`` (an envelope the body goes into, written in the same single copy)."""
     dense = np.ascontiguousarray(dense, dtype=np.float32)
     lengths = np.ascontiguousarray(lengths, dtype=np.int32)
     values = np.ascontiguousarray(values, dtype=np.int64)
@@ -52,7 +53,7 @@ def encode_request(dense: Any, values: Any, lengths: Any) -> bytes:
     if lengths.ndim != 2 or lengths.shape[1] != b:
         raise CodecError(f"lengths of shape {lengths.shape} do not match {b} examples ([F, B])")
     header = HEADER.pack(MAGIC, b, d, lengths.shape[0], values.size)
-    return b"".join([header, dense.tobytes(), lengths.tobytes(), values.tobytes()])
+    return b"".join([prefix, header, dense, lengths, values])  # buffers: one copy each
 
 
 def decode_request(body: bytes | bytearray, dense_count: int, sparse_count: int) -> Arrays:

@@ -60,7 +60,9 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         self.slots = c.calls_per_backend * len(pool.backends)
         self.body_limit = cfg.backend_max_bytes - ENVELOPE_BYTES - HEADER.size
         self.coalescers: dict[str, Coalescer] = {}  # per version: a merged call is one version
-        self.admission = Admission(cfg.limits.max_inflight_examples)
+        self.admission = Admission(
+            cfg.limits.max_inflight_examples, prior_examples=cfg.limits.max_examples
+        )
 
     @property
     def in_flight(self) -> int:
@@ -102,12 +104,15 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
     ) -> tuple[np.ndarray, str]:
         """One TorchServe call for (possibly merged) validated arrays -> scores f32[B]; the one
         place that checks a reply has a score per example (both paths go through here)."""
-        if arrays[1].nbytes > OFFLOAD_BYTES:  # megabytes of ids: copied off the event loop
-            body = await asyncio.to_thread(encode_request, *arrays)
+        dense, values, lengths = arrays
+        size = body_bytes(dense.shape[0], dense.shape[1], lengths.shape[0], values.size)
+        envelope = self.pool.envelope(version, size)  # body written straight into the request
+        if values.nbytes > OFFLOAD_BYTES:  # megabytes of ids: copied off the event loop
+            request = await asyncio.to_thread(encode_request, *arrays, envelope)
         else:
-            body = encode_request(*arrays)
+            request = encode_request(*arrays, envelope)
         started = time.monotonic()
-        prediction, backend = await self.pool.predict(body, version, time_remaining)
+        prediction, backend = await self.pool.predict(request, version, time_remaining)
         self.admission.observe(time.monotonic() - started)
         scores = decode_response(prediction)
         if scores.size != arrays[0].shape[0]:

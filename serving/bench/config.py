@@ -9,15 +9,16 @@ from typing import Literal
 from serving.config import GatewayConfig
 from serving.torchserve.config import MODEL_STORE, TorchServeConfig
 
-Method = Literal["in-process", "plain-torchserve", "torchserve-grpc", "gateway"]
-METHODS: list[Method] = ["in-process", "plain-torchserve", "torchserve-grpc", "gateway"]
+Method = Literal["in-process", "plain-torchserve", "torchserve-grpc", "relay", "gateway"]
+METHODS: list[Method] = ["in-process", "plain-torchserve", "torchserve-grpc", "relay", "gateway"]
 BASELINE: Method = "plain-torchserve"
 FLOOR: Method = "in-process"
 
 
 @dataclass
 class BenchConfig:
-    """Serving benchmark: in-process vs plain TorchServe vs TorchServe gRPC vs the gateway."""
+    """Serving benchmark: in-process vs plain TorchServe vs TorchServe gRPC vs a bare relay in
+    front of it (serving/bench/relay.py: the cost of the hop alone) vs the gateway."""
 
     export: Path | None = None
     """An export dir whose .mar is in model_store (default: train and export a model to bench)."""

@@ -71,7 +71,8 @@ def _channel(target: str) -> grpc.Channel:
 
 
 def torchserve_grpc(target: str, key: str) -> Connect:
-    """TorchServe's gRPC ``Predictions`` with the project's RSB1 body, no gateway."""
+    """TorchServe's gRPC ``Predictions`` with the project's RSB1 body, no gateway (or the
+    same call through the bench's relay, ``target`` = the relay)."""
     metadata = bearer(key)
 
     def connect(p: Payload) -> tuple[Call, Callable[[], None]]:

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 DESCRIPTION = (
     "Serving benchmark: the served artifact in process (the floor), plain TorchServe as its"
     " users run it by default (REST + JSON, default workers, no batching), TorchServe's gRPC"
-    " API with this project's handler, and the gateway, interleaved on one model and machine."
+    " API with this project's handler, the same through a bare relay (the cost of a hop alone),"
+    " and the gateway, interleaved on one model and machine."
 )
 
 
@@ -62,8 +63,8 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
     up = servers.start_all(
         model, ts, gateway_cfg, work, cfg.startup_timeout_s, stack,
         plain_threads=cfg.plain_threads if "plain-torchserve" in chosen else None,
-        want_stack=bool({"torchserve-grpc", "gateway"} & set(chosen)),
-        want_gateway="gateway" in chosen,
+        want_stack=bool({"torchserve-grpc", "relay", "gateway"} & set(chosen)),
+        want_gateway="gateway" in chosen, want_relay="relay" in chosen,
     )  # fmt: skip
     settings = describe(cfg, model, up, chosen)
     connects = _connects(chosen, model, up, settings)
@@ -98,6 +99,8 @@ def _servers_of(procs: dict[str, Any]) -> dict[str, dict[str, Any]]:
         out["plain-torchserve"] = {"torchserve": procs["plain"]}
     if "stack" in procs:
         out["torchserve-grpc"] = {"torchserve": procs["stack"]}
+        if "relay" in procs:
+            out["relay"] = {"relay": procs["relay"], "torchserve": procs["stack"]}
         if "gateway" in procs:
             out["gateway"] = {"gateway": procs["gateway"], "torchserve": procs["stack"]}
     return out
@@ -120,6 +123,8 @@ def _connects(
         out["torchserve-grpc"] = m.torchserve_grpc(
             s.grpc_inference_target, inference_key(s.key_file)
         )
+    if "relay" in chosen:
+        out["relay"] = m.torchserve_grpc(up["relay"], inference_key(up["stack"].key_file))
     if "gateway" in chosen:
         out["gateway"] = m.gateway(f"127.0.0.1:{up['gateway'].port}")
     return out
@@ -145,6 +150,9 @@ def describe(
                                    **servers.model_settings(up["plain"])}  # fmt: skip
     if "stack" in up and "torchserve-grpc" in chosen:
         per["torchserve-grpc"] = {"api": "gRPC RSB1", **servers.model_settings(up["stack"])}
+    if "relay" in up:
+        per["relay"] = {"api": "gRPC RSB1 via serving/bench/relay.py",
+                        **servers.model_settings(up["stack"])}  # fmt: skip
     if "gateway" in up:
         gw = {k: v for k, v in to_dict(up["gateway"]).items()
               if k not in ("schema", "host", "port", "backend", "key_file")}  # fmt: skip

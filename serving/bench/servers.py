@@ -130,9 +130,25 @@ def _stop_gateway(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=5)
 
 
+def start_relay(
+    ts: TorchServeConfig, stack: contextlib.ExitStack
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """serving/bench/relay.py in front of ``ts`` on a free port; (target, process)."""
+    port = free_ports(1)[0]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving.bench.relay", str(port), ts.grpc_inference_target],
+        stdout=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    stack.callback(_stop_gateway, proc)  # SIGTERM, then the group
+    if proc.stdout is None or proc.stdout.readline().strip() != b"ready":
+        raise RuntimeError(f"the relay did not start (exit code {proc.poll()})")
+    return f"127.0.0.1:{port}", proc
+
+
 def start_all(
     model: Any, ts: TorchServeConfig, gcfg: GatewayConfig, work: Path, timeout: float,
     stack: contextlib.ExitStack, plain_threads: int | None, want_stack: bool, want_gateway: bool,
+    want_relay: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Start what the chosen methods need (both TorchServes at once; the peer unless
     ``plain_threads`` is None); their configs."""
@@ -160,6 +176,8 @@ def start_all(
         wait_serving(f"127.0.0.1:{gcfg.port}", gw, timeout)
         out["gateway"] = gcfg
         procs["gateway"] = gw
+    if want_relay:
+        out["relay"], procs["relay"] = start_relay(out["stack"], stack)
     out["procs"] = procs
     return out
 

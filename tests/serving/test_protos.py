@@ -62,3 +62,23 @@ def test_missing_stubs_are_one_line_naming_the_command() -> None:
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("serving.stubs.StubsMissing: gRPC stubs are missing"), proc.stderr
     assert "`make setup`" in last and "`python -m serving.protos`" in last
+
+
+def test_the_predictions_envelope_plus_its_body_is_protobufs_own_encoding() -> None:
+    from serving.torchserve.client import (
+        inference_pb2,
+        predictions_envelope,
+        predictions_request,
+    )
+
+    for name, version in (("dlrm-demo", ""), ("m", "1.0"), ("x" * 200, "v" * 130)):
+        for size in (0, 1, 100, 127, 128, 16_383, 16_384, 2_100_000):
+            body = bytes(range(256)) * (size // 256) + bytes(size % 256)
+            got = predictions_envelope(name, version, size) + body
+            assert got == predictions_request(name, version, body).SerializeToString()
+            back = inference_pb2.PredictionsRequest.FromString(got)
+            assert (back.model_name, back.model_version, back.input["data"]) == (
+                name,
+                version,
+                body,
+            )

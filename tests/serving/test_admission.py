@@ -1,0 +1,73 @@
+"""The admission door's arithmetic (``serving.admission.Admission``), as pure functions.
+
+The door runs in the real gateway in tests/serving/test_overload.py (64 callers of the largest
+request) and test_coalesce.py (34 simultaneous callers at a cold gateway, none refused)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from serving import admission as adm
+from serving.admission import Admission
+from serving.errors import ScoreError
+
+
+def test_before_any_request_a_call_at_the_door_counts_as_the_largest_allowed() -> None:
+    a = Admission(3500, prior_examples=1000)
+    tokens = [a.enter() for _ in range(3)]  # three calls reading their request
+    assert a.reserved == 3000
+    assert a.door_full()  # a fourth would make 3,000 + 1,000 expected > 3,500
+    assert not a.avg_examples  # ... but sizes are unknown: the gate waits instead of refusing
+    for t in reversed(tokens):  # one context here; in the gateway each call is a task
+        a.leave(t)
+    assert a.reserved == 0 and not a.door_full()
+
+
+def test_admit_converts_the_place_at_the_door_into_the_real_size() -> None:
+    a = Admission(4000, prior_examples=1000)
+    token = a.enter()
+    a.admit(10, None)
+    assert (a.in_flight, a.reserved) == (10, 0)
+    a.leave(token)  # the call ends: its place was already taken over
+    assert a.reserved == 0
+    a.release(10)
+    assert a.in_flight == 0
+
+
+def test_the_door_counts_calls_at_the_largest_recent_size_not_the_average() -> None:
+    a = Admission(3500, prior_examples=1000)
+    for examples in (1000, *[10] * 50):  # one large request, then many small ones
+        token = a.enter()
+        a.admit(examples, None)
+        a.release(examples)
+        a.leave(token)
+    assert a.avg_examples < 20 and a.expected == 1000
+    tokens = [a.enter() for _ in range(3)]
+    assert a.door_full()  # 3 x 1,000 unread + 1,000 > 3,500: a fourth is refused unread
+    for t in reversed(tokens):  # one context here; in the gateway each call is a task
+        a.leave(t)
+
+
+def test_the_peak_ages_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    a = Admission(4000, prior_examples=1000)
+    now = [100.0]
+    monkeypatch.setattr(adm.time, "monotonic", lambda: now[0])
+    a.admit(1000, None)
+    a.release(1000)
+    now[0] += adm.PEAK_WINDOW_S + 1
+    a.admit(5, None)
+    assert a.expected == 5
+
+
+def test_refusals_name_the_budget_and_the_deadline() -> None:
+    a = Admission(100, prior_examples=100)
+    a.admit(80, None)
+    with pytest.raises(ScoreError) as e:
+        a.admit(30, None)
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit is 100" in e.value.message
+    a.observe(0.5)
+    with pytest.raises(ScoreError) as e:
+        a.check(1, 0.1)
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert a.refused == 2 and a.in_flight == 80
