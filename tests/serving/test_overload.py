@@ -150,10 +150,13 @@ def test_overload_is_refused_fast_and_health_stays_fast(
     )
     assert codes <= {"OK", "RESOURCE_EXHAUSTED"}, codes  # no INTERNAL/UNKNOWN/UNAVAILABLE
     assert "OK" in codes and refused.size > 0, "the overload must both be served and refused"
-    # The bounds are p99 <= 50 ms for both; on a 2-core machine shared by 64 callers
-    # uploading 1.7 MB each, TorchServe and the test itself, the tail is the machine's: the
-    # medians show whether refusals and health checks wait behind the overload (they do not:
-    # ~1-15 ms here while admitted calls take seconds), the loose tails catch a queue.
+    # The bounds are p99 <= 50 ms for both (docs/chaos.md has the measured figures:
+    # health p99 25-37 ms, refusals of calls started >= 2 s in p99 22-55 ms). On a 2-core
+    # machine shared by 64 callers uploading 1.7 MB each, TorchServe and the test itself, the
+    # tail is partly the machine's, so the bounds here are 3x: loose enough not to flake, tight
+    # enough to catch a queue (at stop 16, before the door: refusals p99 1.5 s, health p99
+    # 207 ms).
     assert np.median(refused) <= 50, "refusals must be immediate, not queued"
-    assert np.median(health) <= 50 and np.percentile(health, 99) <= 1000
+    assert np.percentile(health, 99) <= 150, "health checks wait behind the overload"
+    assert np.percentile(steady, 99) <= 150, "refusals wait behind the overload"
     assert after_s <= 2 and after <= max(2 * idle, idle + 5), (idle, after)
