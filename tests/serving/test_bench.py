@@ -80,3 +80,13 @@ def test_a_tiny_run_measures_every_method_at_every_cell(
     assert methods["plain-torchserve"]["workers"] == doc["settings"]["usable_cores"]
     assert methods["plain-torchserve"]["threads_per_worker"] == [1]  # --plain-threads 1
     assert "plain-torchserve" in proc.stdout and "efficiency" in proc.stdout
+
+
+def test_the_refusal_floor_tool_runs_and_prints_its_figures() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "serving.bench.burst", "--callers", "4", "--processes", "2",
+         "--bytes", "1000", "--seconds", "0.5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "refusals by a server that only refuses: p50" in proc.stdout
