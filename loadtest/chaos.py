@@ -50,13 +50,16 @@ from serving.validate import Schema
 
 log = logging.getLogger("loadtest.chaos")
 LOCUSTFILE = ROOT / "loadtest" / "chaos_locustfile.py"
-# The replica restart last: it is the slowest to recover (Java, workers, model load).
+# The replica restart fourth, not last: it is the slowest to recover (Java, workers, model
+# load: 15-18 s here), and last in a 2-minute run (due at 100 s) a restart of 18.4 s ended
+# after the load, so its return to rotation was never seen. The gateway takeover (ready in
+# <1 s) goes last instead.
 DEFAULT_SCHEDULE = [
     "kill-worker",
     "kill-workers",
     "pause-replica",
-    "gateway-takeover",
     "kill-replica",
+    "gateway-takeover",
 ]
 ACCEPTANCE_EXIT = 3
 
