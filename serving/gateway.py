@@ -216,7 +216,8 @@ def backend_options(cfg: GatewayConfig) -> list[tuple[str, int]]:
 
 def apply_plan(ranker: Ranker, plan: Plan) -> None:
     ranker.set_plan(plan)
-    metrics.show_plan(plan.model, ordered(plan), plan.shares(), plan.generation)
+    plan_file = str(Path(ranker.cfg.plan).resolve()) if ranker.cfg.plan else ""
+    metrics.show_plan(plan.model, ordered(plan), plan.shares(), plan.generation, plan_file)
     logger.info(
         "plan %d: %s versions %s, default %s, traffic %s%s",
         plan.generation, plan.model, list(ordered(plan)), plan.default,

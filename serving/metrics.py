@@ -20,7 +20,7 @@ Exported (prefix ``recsys_gateway_``):
   on another one if any is left (the backend leaves rotation; a timeout is never retried).
 - ``model_info{model_name,model_version}``: each served version (always 1);
   ``version_traffic_ratio{model_version}``: its share of the requests that name no version;
-  ``plan_generation``: the serving plan applied (serving/plan.py).
+  ``plan_generation{plan}``: the serving plan applied, by plan file (serving/plan.py).
 - ``version_requests_total{model_version}``, ``scores{model_version}`` (histogram of each
   request's mean click probability): traffic and predicted CTR per version, to compare a
   canary with the default while a rollout shifts traffic.
@@ -107,8 +107,9 @@ class GatewayMetrics:
             ["model_version"], registry=r,
         )  # fmt: skip
         self.generation = Gauge(
-            f"{PREFIX}_plan_generation", "generation of the serving plan applied", registry=r
-        )
+            f"{PREFIX}_plan_generation", "generation of the serving plan applied, by plan file "
+            "(absolute path; empty: no plan file)", ["plan"], registry=r,
+        )  # fmt: skip
         self.version_requests = Counter(
             f"{PREFIX}_version_requests", "scored requests per model version",
             ["model_version"], registry=r,
@@ -120,14 +121,15 @@ class GatewayMetrics:
         self._by_version: dict[str, tuple[Any, Any]] = {}
 
     def show_plan(self, model: str, versions: Iterable[str], shares: dict[str, float],
-                  generation: int) -> None:  # fmt: skip
+                  generation: int, plan_file: str = "") -> None:  # fmt: skip
         """Model info, traffic shares and generation of the plan now applied."""
         self.model.clear()
+        self.generation.clear()
         self.traffic.clear()
         for v in versions:
             self.model.labels(model, v).set(1)
             self.traffic.labels(v).set(shares.get(v, 0.0))
-        self.generation.set(generation)
+        self.generation.labels(plan_file).set(generation)
 
     def track_backends(self, backends: Iterable[Any]) -> None:
         """``backend_healthy`` read from each backend's ``healthy`` at scrape time."""
@@ -171,11 +173,13 @@ def backend_call(requests: int, n_examples: int) -> None:
 
 
 def show_plan(
-    model: str, versions: Iterable[str], shares: dict[str, float], generation: int
-) -> None:
-    """The serving plan now applied (model info per version, traffic shares, generation)."""
+    model: str, versions: Iterable[str], shares: dict[str, float], generation: int,
+    plan_file: str = "",
+) -> None:  # fmt: skip
+    """The serving plan now applied (model info per version, traffic shares, generation of
+    ``plan_file``: a rollout reading the metrics knows they are its own gateway's)."""
     if _current is not None:
-        _current.show_plan(model, versions, shares, generation)
+        _current.show_plan(model, versions, shares, generation, plan_file)
 
 
 def scored(version: str, scores: Any) -> None:

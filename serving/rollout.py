@@ -161,7 +161,8 @@ class Gateway:
         return bool(reply.ready)
 
     def generation(self) -> int | None:
-        """The plan generation the gateway applied (None: its metrics are off)."""
+        """The generation of this stack's plan file the gateway applied (None: its metrics are
+        off, or the metrics port answers for another gateway, whose plan file differs)."""
         m = self.stack.gateway.metrics
         if not m.port:
             return None
@@ -173,9 +174,10 @@ class Gateway:
                 text = r.read().decode()
         except OSError:
             return None
+        mine = f'recsys_gateway_plan_generation{{plan="{self.stack.plan_file.resolve()}"}} '
         for line in text.splitlines():
-            if line.startswith("recsys_gateway_plan_generation "):
-                return int(float(line.split()[1]))
+            if line.startswith(mine):
+                return int(float(line.rsplit(" ", 1)[1]))
         return None
 
     def wait(self, what: str, done: Callable[[], bool], timeout: float) -> None:

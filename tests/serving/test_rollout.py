@@ -111,7 +111,7 @@ def _expected(export: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
     return {k: s[k] for k in ("dense", "values", "lengths")}, s[f"probs_{variant}"]
 
 
-def _metric(target_metrics: str, name: str) -> dict[str, float]:
+def _metric(target_metrics: str, name: str, label: str = "model_version") -> dict[str, float]:
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -119,7 +119,7 @@ def _metric(target_metrics: str, name: str) -> dict[str, float]:
     with urllib.request.urlopen(f"http://{target_metrics}/metrics", timeout=10) as r:
         text = r.read().decode()
     return {
-        s.labels.get("model_version", ""): s.value
+        s.labels.get(label, ""): s.value
         for f in text_string_to_metric_families(text)
         for s in f.samples
         if s.name == name
@@ -180,6 +180,9 @@ def test_rollout_refusal_restart_and_rollback_under_load(
         plan = plan_io.load(plan_file)
         assert (plan.default, list(plan.versions), plan.traffic) == ("2", ["2"], {})
         assert plan.previous == "1"
+        # the gateway names the plan file it applied: what the rollout waited on was its own
+        applied = _metric(metrics_at, "recsys_gateway_plan_generation", "plan")
+        assert applied == {str(plan_file.resolve()): plan.generation}, applied
         for ts in replicas(workdir):  # v1 drained and unregistered, v3 never kept
             assert manage.versions(ts, MODEL) == {"2": 1}
         seen = _metric(metrics_at, "recsys_gateway_version_requests_total")
