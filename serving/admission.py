@@ -39,13 +39,13 @@ from serving.rpc import WrappingInterceptor
 
 # weight of the newest backend call in the latency average: ~the last 10 calls matter
 EWMA_WEIGHT = 0.1
-# the place a call holds at the door (examples expected), per task: admit() converts it
 # a call at the door counts as the largest request admitted in this window (seconds): the
 # average let a burst of large requests in after small ones (64 x 1,000 examples after calls
 # of 10 all uploaded, and 1 in 10 of them was refused only after, in up to 1.3 s)
 PEAK_WINDOW_S = 10.0
 # how often a call waiting at the door before the first admission looks again
 DOOR_POLL_S = 0.002
+# the place a call holds at the door (examples expected), per task: admit() converts it
 _DOOR: contextvars.ContextVar[float] = contextvars.ContextVar("admission_door", default=0.0)
 
 
@@ -61,7 +61,7 @@ class Admission:
     refused: int = 0
     reserved: float = 0.0
     """Examples expected from the calls past the door not admitted yet (receiving or decoding
-    their request): each counts as a request of the recent average size."""
+    their request): each counts as :attr:`expected`."""
     avg_examples: float = 0.0
     """Recent examples per admitted request (0 until the first)."""
     prior_examples: float = 0.0
@@ -131,7 +131,7 @@ class Admission:
         return float(self.peak_examples) if self.avg_examples else self.prior_examples
 
     def enter(self) -> contextvars.Token[float]:
-        """A call passes the door: hold the recent average size for it until :meth:`admit`
+        """A call passes the door: hold :attr:`expected` examples for it until :meth:`admit`
         (in the same task) or :meth:`leave`."""
         expected = self.expected
         self.reserved += expected
@@ -158,7 +158,7 @@ class AdmissionInterceptor(WrappingInterceptor):
 
     Each such call gets a stream-unary handler (gRPC starts those without receiving the request
     first) that refuses at once with RESOURCE_EXHAUSTED when :meth:`Admission.door_full`, and
-    otherwise holds a place for it (the recent average request size) while it reads and decodes
+    otherwise holds a place for it (:attr:`Admission.expected`) while it reads and decodes
     the one request, until the unary handler it wraps admits the request's real size. Other
     methods pass.
     """
