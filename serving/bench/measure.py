@@ -35,7 +35,8 @@ class Cell:
     first_error: str = ""
     rounds_examples_per_s: list[float] = field(default_factory=list)
     cpu_s: dict[str, float] = field(default_factory=dict)
-    """CPU seconds each server process group spent in this cell's timed calls."""
+    """CPU seconds each server process group spent in this cell's calls, and ``client``: the
+    benchmark process (its client threads, with their connection and one warm-up call each)."""
 
     def add_cpu(self, spent: dict[str, float]) -> None:
         for part, seconds in spent.items():

@@ -39,9 +39,12 @@ def _ratio(value: float, other: dict[str, Any] | None, key: str) -> float | None
 
 
 def _cpu(row: dict[str, Any]) -> str:
-    """Server CPU per request, by process group: ``gateway 0.9 + torchserve 2.1``."""
-    parts = row.get("cpu_ms_per_request") or {}
-    return " + ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items())) or "-"
+    """CPU per request: the benchmark's client threads, then each server process group:
+    ``client 0.3 | gateway 0.9 + torchserve 2.1``."""
+    parts = dict(row.get("cpu_ms_per_request") or {})
+    client = parts.pop("client", None)
+    servers = " + ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items())) or "-"
+    return servers if client is None else f"client {client:.2f} | {servers}"
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -53,7 +56,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'examples':>8} {'conc':>4}  {'method':<17} {'p50 ms':>8} {'p99 ms':>8} {'examples/s':>11}"
         f" {'req/s':>8} {'ex/s vs plain':>13} {'p50 vs plain':>12} {'efficiency':>10} {'errors':>6}"
-        f"  {'server CPU ms/req':<24}"
+        f"  {'CPU ms/req: client | servers':<24}"
     )
     lines = [head, "-" * len(head)]
     last = None

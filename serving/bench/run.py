@@ -85,8 +85,12 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
             for (x, n, c), cell in cells.items():  # methods innermost: interleaved per cell
                 parts = servers_of.get(x, {})
                 before = {k: servers.cpu_seconds(p) for k, p in parts.items()}
+                client = time.process_time()  # this process: the client threads, nothing else
                 cell.add(*run_cell(connects[x], payloads[n], c, cfg.requests))
-                cell.add_cpu({k: servers.cpu_seconds(p) - before[k] for k, p in parts.items()})
+                spent = {k: servers.cpu_seconds(p) - before[k] for k, p in parts.items()}
+                if x != FLOOR:  # in-process, the "client" is the forward itself
+                    spent["client"] = time.process_time() - client
+                cell.add_cpu(spent)
                 bar.update(1)
     settings["loadavg_before"], settings["loadavg_after"] = load_before, os.getloadavg()
     return {"results": results(list(cells.values())), "settings": settings}
