@@ -62,8 +62,6 @@ class Admission:
     reserved: float = 0.0
     """Examples expected from the calls past the door not admitted yet (receiving or decoding
     their request): each counts as :attr:`expected`."""
-    avg_examples: float = 0.0
-    """Recent examples per admitted request (0 until the first)."""
     prior_examples: float = 0.0
     """What a call at the door counts as before any request was admitted (the gateway: its
     per-request limit, the worst case)."""
@@ -80,10 +78,6 @@ class Admission:
         if own:  # this call's place at the door becomes its real size
             self.reserved -= own
             _DOOR.set(0.0)
-        if self.avg_examples == 0.0:
-            self.avg_examples = float(examples)
-        else:
-            self.avg_examples += EWMA_WEIGHT * (examples - self.avg_examples)
         now = time.monotonic()
         if examples >= self.peak_examples or now - self.peak_at > PEAK_WINDOW_S:
             self.peak_examples, self.peak_at = examples, now
@@ -128,7 +122,12 @@ class Admission:
     def expected(self) -> float:
         """Examples a call at the door counts as: the largest request of the last
         :data:`PEAK_WINDOW_S` (the worst case, ``prior_examples``, before the first)."""
-        return float(self.peak_examples) if self.avg_examples else self.prior_examples
+        return float(self.peak_examples) if self.sizes_known else self.prior_examples
+
+    @property
+    def sizes_known(self) -> bool:
+        """A request was admitted (every admitted request has at least one example)."""
+        return self.peak_examples > 0
 
     def enter(self) -> contextvars.Token[float]:
         """A call passes the door: hold :attr:`expected` examples for it until :meth:`admit`
@@ -177,7 +176,7 @@ class AdmissionInterceptor(WrappingInterceptor):
 
         async def gate(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             while admission.door_full():
-                if admission.avg_examples:  # sizes known: refused at once
+                if admission.sizes_known:  # refused at once
                     e = admission.refusal()
                     await context.abort(e.code, e.message)
                 # before the first admission the door counts every call at the worst case

@@ -2,9 +2,9 @@
 
 A ``grpc.aio`` server, like the gateway's, that forwards TorchServe's ``Predictions`` as raw
 bytes (no decode, no validation, no merging, no metrics) to one TorchServe with the caller's
-metadata, and returns the reply's bytes. The benchmark's ``relay`` method (opt-in,
-``--methods ...,relay``) calls it with the ``torchserve-grpc`` request: the difference between
-the two is the price of the hop alone, the floor under anything the gateway does.
+metadata, and returns the reply's bytes. The benchmark's ``relay`` method (one of the
+defaults) calls it with the ``torchserve-grpc`` request: the difference between the two is the
+price of the hop alone, the floor under anything the gateway does.
 
 Usage: ``python -m serving.bench.relay PORT BACKEND`` (prints ``ready`` when listening).
 """
