@@ -69,17 +69,17 @@ export: setup  ## export RUN's latest checkpoint: TorchScript fp32 + QUANT (int8
 		$(if $(VERSION),--version $(VERSION)) $(EXPORT_ARGS)
 
 serve: setup  ## start TorchServe + the gRPC gateway for RUN's export in the background; waits until SERVING
-	$(PY) -m serving.supervisor start --gateway.schema $(RUN)/export/schema.json $(SERVE_ARGS)
+	$(PY) -m serving.tools.supervisor start --gateway.schema $(RUN)/export/schema.json $(SERVE_ARGS)
 
 stop:  ## stop the gateway (gracefully) and TorchServe
-	@if [ -x $(PY) ]; then $(PY) -m serving.supervisor stop $(SERVE_ARGS); fi
+	@if [ -x $(PY) ]; then $(PY) -m serving.tools.supervisor stop $(SERVE_ARGS); fi
 
 .PHONY: status
 status:  ## what `make serve` started: TorchServe's READY workers, the gateway's health
-	@$(PY) -m serving.supervisor status $(SERVE_ARGS)
+	@$(PY) -m serving.tools.supervisor status $(SERVE_ARGS)
 
 score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the synthetic set) through the gateway
-	$(PY) -m serving.client --rows $(ROWS) --data $(or $(DATA),$(firstword $(wildcard data/synthetic/*.tsv)))
+	$(PY) -m serving.tools.client --rows $(ROWS) --data $(or $(DATA),$(firstword $(wildcard data/synthetic/*.tsv)))
 
 loadtest: setup  ## headless Locust against the gateway: USERS, SPAWN_RATE, DURATION, OUT; report + summary.json + PNG
 	$(PY) -m loadtest.run --users $(USERS) --spawn-rate $(SPAWN_RATE) --duration $(DURATION) --out $(OUT) $(LOADTEST_ARGS)
@@ -93,14 +93,14 @@ chaos: setup  ## RUN's export on 2 replicas + gateway under Locust, a fault ever
 ROLLOUT_ARGS ?=
 EVAL_DATA ?= $(firstword $(wildcard data/synthetic/*.tsv))
 rollout: setup  ## roll VERSION out on the running stack: register, evaluate vs the default on EVAL_DATA, 5->50->100%, promote, drain
-	$(PY) -m serving.rollout $(if $(VERSION),--version $(VERSION)) $(if $(EVAL_DATA),--eval-data $(EVAL_DATA)) $(ROLLOUT_ARGS)
+	$(PY) -m serving.tools.rollout $(if $(VERSION),--version $(VERSION)) $(if $(EVAL_DATA),--eval-data $(EVAL_DATA)) $(ROLLOUT_ARGS)
 
 rollback: setup  ## return the running stack to the previous default version (no failed request)
-	$(PY) -m serving.rollout --rollback $(ROLLOUT_ARGS)
+	$(PY) -m serving.tools.rollout --rollback $(ROLLOUT_ARGS)
 
 .PHONY: evaluate
 evaluate: setup  ## score a labelled Criteo TSV (DATA) through the gateway [VERSION=]: AUC, NE, log loss, calibration -> OUT (JSON + PNG)
-	$(PY) -m serving.evaluate $(if $(DATA),--data $(DATA)) $(if $(VERSION),--version $(VERSION)) --out $(OUT) $(EVALUATE_ARGS)
+	$(PY) -m serving.tools.evaluate $(if $(DATA),--data $(DATA)) $(if $(VERSION),--version $(VERSION)) --out $(OUT) $(EVALUATE_ARGS)
 
 demo: setup  ## everything on the embedded default: train -> export -> serve -> score -> load test -> stop
 	$(MAKE) --no-print-directory train PRESET=demo
@@ -116,7 +116,7 @@ demo: setup  ## everything on the embedded default: train -> export -> serve -> 
 # (make gpu-check PY=python3), where the portable variants exist for.
 .PHONY: gpu-check
 gpu-check:  ## load RUN's portable export on CUDA (CPU half without one), parity + latency table
-	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m serving.gpu_check --export $(RUN)/export $(GPU_CHECK_ARGS)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m serving.tools.gpu_check --export $(RUN)/export $(GPU_CHECK_ARGS)
 
 bench: setup  ## training (trainer vs DMP ceiling vs plain PyTorch) and serving (in-process floor, plain TorchServe, TorchServe gRPC, gateway) ratios
 	$(PY) -m training.bench $(ARGS)

@@ -36,8 +36,8 @@ def torchserve(timeout: float = 3.0) -> bool:
 
 def gateway(timeout: float = 3.0) -> bool:
     """The gateway's health service says SERVING (it does once a backend scores a probe)."""
-    from serving.client import gateway_status
-    from serving.config import GatewayConfig
+    from serving.gateway.config import GatewayConfig
+    from serving.tools.client import gateway_status
 
     return gateway_status(f"127.0.0.1:{load(GatewayConfig).port}", timeout) == "SERVING"
 

@@ -43,10 +43,10 @@ from recsys_stack import config as rc
 from recsys_stack.net import free_ports
 from recsys_stack.progress import progress
 from recsys_stack.typed import suggest
-from serving.config import GatewayConfig
+from serving.gateway.config import GatewayConfig
+from serving.gateway.validate import Schema
 from serving.torchserve import process
 from serving.torchserve.config import MODEL_STORE, TorchServeConfig, on_free_ports, resolve_model
-from serving.validate import Schema
 
 log = logging.getLogger("loadtest.chaos")
 LOCUSTFILE = ROOT / "loadtest" / "chaos_locustfile.py"

@@ -32,8 +32,8 @@ from typing import Any
 
 import psutil
 
-from serving.config import GatewayConfig
-from serving.supervisor import launch_gateway
+from serving.gateway.config import GatewayConfig
+from serving.tools.supervisor import launch_gateway
 from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig
 

@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:  # `locust -f` puts only loadtest/ on the path
 
 from loadtest.checks import check_reply  # noqa: E402
 from loadtest.payload import request_pool  # noqa: E402
-from serving.auth import call_metadata, client_token  # noqa: E402
+from serving.gateway.auth import call_metadata, client_token  # noqa: E402
 from serving.stubs import ranker_pb2_grpc  # noqa: E402
 
 NAME = "recsys.v1.Ranker/Score"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from serving.client import build_request, parse_rows
 from serving.stubs import ranker_pb2
+from serving.tools.client import build_request, parse_rows
 
 
 def read_rows(path: Path, max_rows: int) -> list[str]:

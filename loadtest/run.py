@@ -47,8 +47,8 @@ def model_info(host: str, data: Path, examples: int) -> dict[str, str]:
     import grpc
 
     from loadtest.payload import request_pool
-    from serving.auth import client_token
-    from serving.client import RankerClient
+    from serving.gateway.auth import client_token
+    from serving.tools.client import RankerClient
 
     client = RankerClient(host, timeout=10, token=client_token())
     try:

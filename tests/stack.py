@@ -4,7 +4,7 @@
 on the tiny exported model; ``tests/serving/conftest.py`` and ``tests/loadtest/conftest.py``
 register them. Tests that need another shape (two replicas, another deadline) call
 :func:`torchserve_config`, :func:`start_torchserve` and :func:`start_gateway` directly. Both use
-the product's own launchers (``serving.torchserve.process``, ``serving.supervisor``).
+the product's own launchers (``serving.torchserve.process``, ``serving.tools.supervisor``).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import psutil
 import pytest
 
 from recsys_stack.net import free_ports
-from serving.client import gateway_status
-from serving.codec import to_rows
-from serving.config import GatewayConfig
+from serving.gateway.config import GatewayConfig
 from serving.stubs import ranker_pb2_grpc
-from serving.supervisor import launch_gateway
+from serving.tools.client import gateway_status
+from serving.tools.supervisor import launch_gateway
 from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig, on_free_ports
+from serving.worker.codec import to_rows
 
 # Java startup + worker load is ~10 s on a laptop; a 2-core CI box under load needs more.
 STARTUP_TIMEOUT_S = 240

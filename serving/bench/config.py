@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from serving.config import GatewayConfig
+from serving.gateway.config import GatewayConfig
 from serving.torchserve.config import MODEL_STORE, TorchServeConfig
 
 Method = Literal["in-process", "plain-torchserve", "torchserve-grpc", "relay", "gateway"]

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from serving.client import build_request
-from serving.codec import encode_request, to_rows
 from serving.stubs import ranker_pb2
+from serving.tools.client import build_request
 from serving.torchserve.client import inference_pb2, predictions_request
+from serving.worker.codec import encode_request, to_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 KAGGLE_ROWS = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,

@@ -136,7 +136,7 @@ def _connects(
 
 def _worker_threads(cfg: BenchConfig) -> int:
     """A stack worker's intra-op threads (the handler's own rule): the in-process floor's."""
-    from serving.handler import cpu_threads
+    from serving.worker.handler import cpu_threads
 
     return cpu_threads(dict(os.environ), os.cpu_count() or 1, cfg.torchserve.worker_count())
 

@@ -1,7 +1,7 @@
 """The servers under test, started side by side on free ports and always stopped.
 
 * the stack's TorchServe (``serving.torchserve.process``, the config ``make serve`` writes) with
-  the gateway (``serving.supervisor.launch_gateway``) in front of it;
+  the gateway (``serving.tools.supervisor.launch_gateway``) in front of it;
 * the peer: a second TorchServe with TorchServe's defaults (workers = cores, batch size 1, its
   own timeouts and queue) serving a .mar of the same TorchScript artifact with
   ``plain_handler.py``. Its ``config.properties`` holds only what two instances on one machine
@@ -27,8 +27,8 @@ from typing import Any
 import psutil
 
 from recsys_stack.net import free_ports
-from serving.config import GatewayConfig
-from serving.supervisor import launch_gateway, wait_serving
+from serving.gateway.config import GatewayConfig
+from serving.tools.supervisor import launch_gateway, wait_serving
 from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig, on_free_ports
 

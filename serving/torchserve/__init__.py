@@ -7,5 +7,5 @@
 * ``client``: the one builder of gRPC ``PredictionsRequest`` calls.
 
 ``keys`` and ``client`` import neither torch nor psutil: the gateway uses them.
-Start and stop it with the supervisor (``python -m serving.supervisor``, ``make serve``).
+Start and stop it with the supervisor (``python -m serving.tools.supervisor``, ``make serve``).
 """

@@ -1,7 +1,7 @@
 """Calls to TorchServe's gRPC inference API: the one place a ``PredictionsRequest`` is built.
 
 The gateway's backends (async), its health probe, the tests and the benchmark (blocking) all
-send RSB1 bodies (``serving.codec``) through :func:`predictions_request` with :func:`bearer`
+send RSB1 bodies (``serving.worker.codec``) through :func:`predictions_request` with :func:`bearer`
 metadata, and read the reply through :func:`prediction_bytes`. No torch, no psutil.
 """
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import grpc
 
-from serving.codec import REJECTION
 from serving.stubs import generated
 from serving.torchserve.keys import bearer, inference_key
+from serving.worker.codec import REJECTION
 
 with generated():
     from serving._gen import inference_pb2, inference_pb2_grpc

@@ -10,7 +10,7 @@ that ``make rollout`` can add a version without a restart: the management API bi
 ``host`` (loopback by default, the internal network in compose) and needs the management key,
 which only the operator's tools read (the gateway holds the inference key alone).
 
-With ``plan`` set (``serving/plan.py``, written by ``make serve`` and ``make rollout``), every
+With ``plan`` set (``serving/gateway/plan.py``, written by ``make serve`` and ``make rollout``), every
 version in the plan is registered at start with the plan's default as TorchServe's default: a
 replica that restarts serves what the gateway routes to.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from recsys_stack.config import env_field
 from recsys_stack.net import free_ports
-from serving import plan
+from serving.gateway import plan
 
 LOG_FILE = "torchserve.log"
 WORKDIR = Path("runs/serve/torchserve")

@@ -180,7 +180,7 @@ def test_gateway_has_a_token_and_is_published_on_loopback() -> None:
     token_file = gateway["environment"]["RECSYS_GATEWAY_TOKEN_FILE"]
     assert gateway["depends_on"]["gateway-token"]["condition"] == "service_completed_successfully"
     maker = shlex.split(command_lines(svcs["gateway-token"]["command"])[0])
-    assert maker[:3] == ["python", "-m", "serving.auth"]
+    assert maker[:3] == ["python", "-m", "serving.gateway.auth"]
     assert token_file == f"/app/{maker[3]}"  # the file the init step makes (WORKDIR /app)
     for name, svc in svcs.items():
         for p in svc.get("ports", []):
@@ -297,7 +297,7 @@ def test_every_flag_is_in_the_programs_help() -> None:
 def port_defaults() -> dict[str, int]:
     """Port variable -> default, read from the configs that declare them."""
     from recsys_stack.config import iter_keys
-    from serving.config import GatewayConfig
+    from serving.gateway.config import GatewayConfig
     from serving.torchserve.config import TorchServeConfig
 
     keys = [*iter_keys(TorchServeConfig), *iter_keys(GatewayConfig)]

@@ -1,4 +1,4 @@
-"""The admission door's arithmetic (``serving.admission.Admission``), as pure functions.
+"""The admission door's arithmetic (``serving.gateway.admission.Admission``), as pure functions.
 
 The door runs in the real gateway in tests/serving/test_overload.py (64 callers of the largest
 request) and test_coalesce.py (34 simultaneous callers at a cold gateway, none refused)."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from serving import admission as adm
-from serving.admission import Admission
-from serving.errors import ScoreError
+from serving.gateway import admission as adm
+from serving.gateway.admission import Admission
+from serving.gateway.errors import ScoreError
 
 
 def test_before_any_request_a_call_at_the_door_counts_as_the_largest_allowed() -> None:

@@ -1,7 +1,7 @@
 """Authentication and TLS on the real gateway (in front of the module's real TorchServe).
 
 Tokens: no token / a wrong token -> UNAUTHENTICATED on Score and reflection, health open, a
-token of the file scores, the file is re-read when it changes, ``serving.client`` finds the
+token of the file scores, the file is re-read when it changes, ``serving.tools.client`` finds the
 token through ``RECSYS_GATEWAY_TOKEN_FILE``. TLS and mutual TLS with a throwaway CA made by the
 ``openssl`` CLI: TLS calls succeed, plaintext fails, mTLS without a client certificate fails
 (the mTLS gateway also runs with ``auth.protect_health``: health then needs the token).
@@ -24,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from serving.auth import (
+from serving.gateway.auth import (
     AuthError,
     TokenFile,
     bearer_token,
@@ -32,9 +32,9 @@ from serving.auth import (
     read_tokens,
     write_token_file,
 )
-from serving.client import build_request
-from serving.config import AuthConfig, TlsConfig
+from serving.gateway.config import AuthConfig, TlsConfig
 from serving.stubs import ranker_pb2_grpc
+from serving.tools.client import build_request
 from serving.torchserve.config import TorchServeConfig
 from tests.conftest import ROOT, _env
 from tests.stack import start_gateway, stop_gateway, wait_status
@@ -138,7 +138,7 @@ def token_gateway(
 
 def _request(exported: tuple[Path, Path, str]) -> object:
     s = np.load(exported[0] / "sample.npz")
-    from serving.codec import to_rows
+    from serving.worker.codec import to_rows
 
     return build_request(s["dense"][:3], to_rows(s["values"], s["lengths"])[:3])
 
@@ -215,7 +215,7 @@ def test_client_cli_reads_the_token_file(
     tsv = tmp_path / "rows.tsv"
     tsv.write_text(_tsv_rows(np.load(exported[0] / "sample.npz"), 3))
     port = target.rsplit(":", 1)[1]
-    argv = [sys.executable, "-m", "serving.client", "--data", str(tsv), "--rows", "3"]
+    argv = [sys.executable, "-m", "serving.tools.client", "--data", str(tsv), "--rows", "3"]
     env = _env({"RECSYS_GATEWAY_PORT": port, "RECSYS_SERVE_DIR": str(tmp_path / "none")})
     env.pop("RECSYS_GATEWAY_TOKEN_FILE", None)
     run = dict(cwd=ROOT, capture_output=True, text=True, timeout=60)

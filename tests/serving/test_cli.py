@@ -13,8 +13,8 @@ from tests.conftest import ROOT, _env
 
 COMMANDS = {
     "gateway": ["-m", "serving.gateway"],
-    "client": ["-m", "serving.client"],
-    "supervisor": ["-m", "serving.supervisor", "status"],
+    "client": ["-m", "serving.tools.client"],
+    "supervisor": ["-m", "serving.tools.supervisor", "status"],
     "torchserve entry": ["docker/torchserve_entry.py"],
 }
 
@@ -80,7 +80,9 @@ def test_a_misspelled_key_is_one_line_with_a_suggestion(
     assert f"did you mean '{suggestion}'?" in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("module", ["serving.gateway", "serving.client", "serving.validate"])
+@pytest.mark.parametrize(
+    "module", ["serving.gateway", "serving.tools.client", "serving.gateway.validate"]
+)
 def test_the_torch_free_side_never_imports_torch(module: str) -> None:
     code = f"import {module}, sys; assert 'torch' not in sys.modules, '{module} imported torch'"
     proc = _run("-c", code)

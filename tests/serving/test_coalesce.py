@@ -14,12 +14,12 @@ import grpc
 import numpy as np
 import pytest
 
-from serving.client import build_request
-from serving.coalesce import SLICE_PARTS, Arrays, Coalescer, Expired, merge, split
-from serving.codec import to_rows
-from serving.config import CoalesceConfig
+from serving.gateway.coalesce import SLICE_PARTS, Arrays, Coalescer, Expired, merge, split
+from serving.gateway.config import CoalesceConfig
 from serving.stubs import ranker_pb2_grpc
+from serving.tools.client import build_request
 from serving.torchserve.config import TorchServeConfig
+from serving.worker.codec import to_rows
 from tests.stack import start_gateway, stop_gateway, wait_status
 
 F = 3  # sparse features in the in-process tests

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from serving import evaluate
-from serving.config import AuthConfig
+from serving.gateway.config import AuthConfig
+from serving.gateway.validate import Limits
+from serving.tools import evaluate
 from serving.torchserve.config import TorchServeConfig
-from serving.validate import Limits
 from tests.conftest import ROOT
 from tests.stack import start_gateway, stop_gateway, wait_status
 
@@ -138,7 +138,7 @@ def test_make_evaluate_passes_data_version_and_out() -> None:
          "DATA=held.tsv", "VERSION=2.0", "OUT=reports/x"],
         cwd=ROOT, capture_output=True, text=True, check=True,
     )  # fmt: skip
-    line = [x for x in proc.stdout.splitlines() if "serving.evaluate" in x]
+    line = [x for x in proc.stdout.splitlines() if "serving.tools.evaluate" in x]
     assert line and "--data held.tsv" in line[0] and "--version 2.0" in line[0]
     assert "--out reports/x" in line[0]
 

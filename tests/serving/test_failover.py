@@ -16,10 +16,10 @@ import grpc
 import numpy as np
 import pytest
 
-from serving.client import build_request
-from serving.codec import to_rows
 from serving.stubs import ranker_pb2_grpc
+from serving.tools.client import build_request
 from serving.torchserve import process
+from serving.worker.codec import to_rows
 from tests.stack import (
     ours,
     start_gateway,

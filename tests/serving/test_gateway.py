@@ -13,8 +13,8 @@ import grpc
 import numpy as np
 import pytest
 
-from serving.client import build_request, gateway_status
 from serving.stubs import ranker_pb2, ranker_pb2_grpc
+from serving.tools.client import build_request, gateway_status
 from serving.torchserve import process
 from serving.torchserve.keys import inference_key
 from tests.stack import (

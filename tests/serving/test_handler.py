@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from serving.codec import (
+from serving.worker.codec import (
     REJECTION,
     CodecError,
     decode_json,
@@ -21,8 +21,8 @@ from serving.codec import (
     encode_request,
     encode_response,
 )
-from serving.handler import RecsysHandler, choose_device, cpu_threads
-from serving.scoring import ScoringModel, Tensors, slice_examples, to_tensors
+from serving.worker.handler import RecsysHandler, choose_device, cpu_threads
+from serving.worker.scoring import ScoringModel, Tensors, slice_examples, to_tensors
 
 
 def _sample(export: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:

@@ -22,10 +22,10 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from recsys_stack.net import free_ports
-from serving import kserve
-from serving.config import AuthConfig, MetricsConfig
+from serving.gateway import kserve
+from serving.gateway.config import AuthConfig, MetricsConfig
+from serving.gateway.validate import InvalidRequest
 from serving.stubs import kserve_pb2
-from serving.validate import InvalidRequest
 from tests.stack import Stack, running_stack, start_gateway, stop_gateway, wait_status
 
 B = 1000  # sample.npz's rows = the gateway's default max_examples
@@ -311,7 +311,7 @@ def test_the_reply_takes_the_requests_form() -> None:
 
 
 def test_bytes_that_are_no_infer_request_are_invalid_argument(stack: Stack) -> None:
-    """The same registration as Score (serving/rpc.py): not UNKNOWN DecodeError."""
+    """The same registration as Score (serving/gateway/rpc.py): not UNKNOWN DecodeError."""
     with grpc.insecure_channel(stack.target) as channel:
         infer = channel.unary_unary(
             "/inference.GRPCInferenceService/ModelInfer",

@@ -18,9 +18,9 @@ import grpc
 import numpy as np
 import pytest
 
-from serving.client import build_request, gateway_status
+from serving.gateway.validate import Limits
 from serving.stubs import ranker_pb2, ranker_pb2_grpc
-from serving.validate import Limits
+from serving.tools.client import build_request, gateway_status
 from tests.stack import Stack, start_gateway, stop_gateway, wait_status
 
 SCORE = "/recsys.v1.Ranker/Score"

@@ -27,13 +27,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from recsys_stack.net import free_ports
-from serving import metrics
-from serving.client import build_request
-from serving.codec import to_rows
-from serving.config import AuthConfig, MetricsConfig
+from serving.gateway import metrics
+from serving.gateway.config import AuthConfig, MetricsConfig
+from serving.gateway.validate import Schema
 from serving.stubs import ranker_pb2_grpc
+from serving.tools.client import build_request
 from serving.torchserve.config import TorchServeConfig
-from serving.validate import Schema
+from serving.worker.codec import to_rows
 from tests.conftest import ROOT, _env
 from tests.stack import start_gateway, stop_gateway, wait_status
 
@@ -62,7 +62,7 @@ def test_a_busy_metrics_port_does_not_stop_the_gateway() -> None:
 def test_the_client_side_needs_no_prometheus_client() -> None:
     """The Locust image installs the load extra only: the client and its auth helpers must
     import without prometheus_client (the gateway's side imports it)."""
-    code = "import sys; sys.modules['prometheus_client'] = None; import serving.client"
+    code = "import sys; sys.modules['prometheus_client'] = None; import serving.tools.client"
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
         timeout=60,

@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving.client import build_request
+from serving.tools.client import build_request
 from tests.serving.test_limits import SCORE, largest_request
 from tests.stack import Stack, start_gateway, stop_gateway, wait_status
 

@@ -1,5 +1,5 @@
 """Serving the portable variant: the handler's device/dtype choice, torch-only loading, a real
-TorchServe serving it on CPU when configured, and the device check (``serving.gpu_check``)."""
+TorchServe serving it on CPU when configured, and the device check (``serving.tools.gpu_check``)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from serving.codec import decode_response, encode_request
-from serving.scoring import ScoringModel, choose_variant, slice_examples
 from serving.torchserve.client import score
 from serving.torchserve.keys import inference_key
+from serving.worker.codec import decode_response, encode_request
+from serving.worker.scoring import ScoringModel, choose_variant, slice_examples
 from tests.stack import running_torchserve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ LOAD = textwrap.dedent(
     """
     import sys, torch
     from pathlib import Path
-    from serving.scoring import ScoringModel
+    from serving.worker.scoring import ScoringModel
     m = ScoringModel(Path(sys.argv[1]), "model_portable_fp16.pt", torch.device("cpu"))
     print(sorted(k for k in ("fbgemm_gpu", "torchrec", "codec") if k in sys.modules), m.variant["requires"])
     """
@@ -160,7 +160,7 @@ def test_make_gpu_check_runs_its_cpu_half_with_torch_alone(
 def test_exports_from_before_variant_requirements_still_load_fbgemm() -> None:
     """A schema written before variants recorded "requires" names TorchRec files only: they
     need fbgemm (an export of the previous release would not load otherwise)."""
-    from serving.scoring import variant_of
+    from serving.worker.scoring import variant_of
 
     old = {"variants": {"int8": {"file": "model_int8.pt", "bytes": 1, "sha256": "x"}}}
     assert "fbgemm_gpu" in variant_of(old, "model_int8.pt")["requires"]

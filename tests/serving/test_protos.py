@@ -54,7 +54,7 @@ def test_no_module_generates_stubs_at_import() -> None:
 
 def test_missing_stubs_are_one_line_naming_the_command() -> None:
     # None in sys.modules makes `import serving._gen` fail as if the folder were not generated.
-    code = "import sys; sys.modules['serving._gen'] = None; import serving.client"
+    code = "import sys; sys.modules['serving._gen'] = None; import serving.tools.client"
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True
     )

@@ -1,5 +1,5 @@
 """Several versions and rollouts on the real stack: ``make serve`` with two TorchServe replicas,
-``python -m serving.rollout`` under a running Locust load, Triton's client routing versions.
+``python -m serving.tools.rollout`` under a running Locust load, Triton's client routing versions.
 
 Three archives of one model: v1 (the tiny run's step-30 checkpoint), v2 (its step 40) and v3, a
 candidate worse on purpose (two training steps). v1 -> v2 is promoted, v3 is refused, a
@@ -27,10 +27,10 @@ from tritonclient.utils import InferenceServerException
 
 from loadtest import report
 from recsys_stack.net import free_ports
-from serving import evaluate
-from serving import plan as plan_io
-from serving.auth import client_token
-from serving.supervisor import read_state, replicas
+from serving.gateway import plan as plan_io
+from serving.gateway.auth import client_token
+from serving.tools import evaluate
+from serving.tools.supervisor import read_state, replicas
 from serving.torchserve import manage, process
 from tests.conftest import EXPORT_TINY, ROOT, _env, run_export, run_train
 from tests.stack import STARTUP_TIMEOUT_S
@@ -136,7 +136,7 @@ def test_rollout_refusal_restart_and_rollback_under_load(
     ts_ports = dict(zip(("inference", "management", "metrics", "grpc-inference",
                          "grpc-management"), p[:5], strict=True))  # fmt: skip
     start = _python(
-        "serving.supervisor", "start", "--gateway.schema", str(exports["1"] / "schema.json"),
+        "serving.tools.supervisor", "start", "--gateway.schema", str(exports["1"] / "schema.json"),
         "--replicas", "2", "--torchserve.workers", "1", "--gateway.port", str(p[5]),
         "--gateway.metrics.port", str(p[6]), f"--timeout-s={STARTUP_TIMEOUT_S}",
         *(a for k, v in ts_ports.items() for a in (f"--torchserve.{k}-port", str(v))),
@@ -216,4 +216,4 @@ def test_rollout_refusal_restart_and_rollback_under_load(
     finally:
         if restarted is not None:
             process.stop(restarted)
-        _python("serving.supervisor", "stop", env=env)
+        _python("serving.tools.supervisor", "stop", env=env)

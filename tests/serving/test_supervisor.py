@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from recsys_stack.net import free_ports
-from serving.codec import to_rows
+from serving.worker.codec import to_rows
 from tests.conftest import ROOT, _env
 from tests.stack import ours
 

@@ -25,8 +25,6 @@ import pytest
 import torch
 
 from recsys_stack.config import ConfigError, load
-from serving.codec import decode_response, encode_request
-from serving.scoring import slice_examples
 from serving.torchserve import process
 from serving.torchserve.client import (
     RequestRejected,
@@ -36,6 +34,8 @@ from serving.torchserve.client import (
 )
 from serving.torchserve.config import TorchServeConfig, resolve_model, write_properties
 from serving.torchserve.keys import KeyFileError, bearer, inference_key, read_keys
+from serving.worker.codec import decode_response, encode_request
+from serving.worker.scoring import slice_examples
 
 CALL_TIMEOUT_S = 30
 Served = tuple[TorchServeConfig, subprocess.Popen[bytes]]

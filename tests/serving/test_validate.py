@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving.client import build_request
-from serving.validate import InvalidRequest, Limits, Schema, validate
+from serving.gateway.validate import InvalidRequest, Limits, Schema, validate
+from serving.tools.client import build_request
 
 DENSE = [f"I{i}" for i in range(1, 14)]
 SPARSE = [f"C{i}" for i in range(1, 27)]

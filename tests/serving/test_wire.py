@@ -1,4 +1,4 @@
-"""serving.wire (the raw-bytes ScoreRequest decoder) against protobuf's own parser.
+"""serving.gateway.wire (the raw-bytes ScoreRequest decoder) against protobuf's own parser.
 
 The fast path must never disagree with protobuf: on canonical requests it must produce the same
 columns; on anything else (random bytes, mutations, unpacked fields) the gateway's decoder must
@@ -10,9 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from serving.gateway.validate import InvalidRequest, Limits, Schema, columns, validate
+from serving.gateway.wire import (
+    _varint,
+    columns_from_bytes,
+    decode_score_request,
+    peek_examples,
+    varints,
+)
 from serving.stubs import ranker_pb2
-from serving.validate import InvalidRequest, Limits, Schema, columns, validate
-from serving.wire import _varint, columns_from_bytes, decode_score_request, peek_examples, varints
 
 SCHEMA = Schema(
     "m", "1", tuple(f"I{i}" for i in range(1, 14)), tuple(f"C{i}" for i in range(1, 27))

@@ -144,7 +144,7 @@ def test_failed_archive_leaves_previous_export_and_mar_byte_identical(
     def export(**kw: Any) -> dict[str, Any]:
         cfg = pipeline.ExportConfig(
             run_dir=run, model_store=store, version="1.0", quant="none", portable=False,
-            onnx=False, parity_rows=4000, progress=False, handler=ROOT / "serving/handler.py",
+            onnx=False, parity_rows=4000, progress=False, handler=ROOT / "serving/worker/handler.py",
             **kw,
         )  # fmt: skip
         return pipeline.run_export(cfg)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving.portable_model import PortableScorer, from_state, to_state
+from serving.worker.portable_model import PortableScorer, from_state, to_state
 from training.config import ModelConfig
 from training.errors import ConfigError
 from training.export.pipeline import ExportConfig, check_cuda_int8
@@ -126,7 +126,7 @@ FRESH = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import torch
-    from serving.gpu_check import auc, read_npz
+    from serving.tools.gpu_check import auc, read_npz
 
     export = Path(sys.argv[1])
     schema = json.loads((export / "schema.json").read_text())

@@ -69,7 +69,7 @@ class ExportConfig:
     """Model version (default: the checkpoint's step)."""
     model_store: Path = Path("model_store")
     """Where the .mar goes."""
-    handler: Path = Path("serving/handler.py")
+    handler: Path = Path("serving/worker/handler.py")
     """TorchServe handler archived with the model (its codec.py and scoring.py beside it)."""
     parity_rows: int = 20_000
     """Held-out rows for the parity check (the run's eval split unless eval_data)."""
@@ -202,7 +202,7 @@ def build_schema(
         "transforms": {"dense": "log1p(max(x, 0))", "ids": "id mod rows (per table)"},
         "variants": {v: _variant_info(v, p) for v, p in files.items()},
         "served_variant": served,
-        # What the handler loads per device (serving/handler.py: choose_variant).
+        # What the handler loads per device (serving/worker/handler.py: choose_variant).
         "serving": {
             "cpu": served,
             "cuda": "portable" if "portable" in files else None,

@@ -1,7 +1,7 @@
 """The portable variants: the trained weights in a pure-PyTorch scorer that loads with torch alone.
 
 :func:`portable_scorer` copies a TorchRec DLRM's tables (into one ``[sum(rows), E]`` weight)
-and MLPs into :class:`serving.portable_model.PortableScorer`; :func:`save_portable` writes it as
+and MLPs into :class:`serving.worker.portable_model.PortableScorer`; :func:`save_portable` writes it as
 
 * ``model_portable.pt`` / ``model_portable_fp16.pt``: TorchScript, fp32 / fp16 weights;
 * ``model_portable.pt2``: a ``torch.export`` program (dynamic batch), fp32;
@@ -9,7 +9,7 @@ and MLPs into :class:`serving.portable_model.PortableScorer`; :func:`save_portab
   (``--aoti``: ~1 min of C++ compile for the criteo shape; needs a C++ compiler);
 * ``model_portable.onnx`` (``training/export/onnx_export.py``);
 * ``portable_state.pt``: the spec and plain weights (``torch.save``), from which any torch
-  version rebuilds the module (``serving.gpu_check`` does on a CUDA machine).
+  version rebuilds the module (``serving.tools.gpu_check`` does on a CUDA machine).
 
 None of them needs TorchRec or fbgemm to load; :func:`load_variant` loads each kind.
 """
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from serving.portable_model import PortableScorer, to_state
+from serving.worker.portable_model import PortableScorer, to_state
 from training.errors import ConfigError
 from training.features import NUM_DENSE, SPARSE_NAMES, table_name
 
@@ -129,7 +129,7 @@ def save_portable(
 
 
 def _copy(scorer: PortableScorer) -> PortableScorer:
-    from serving.portable_model import from_state
+    from serving.worker.portable_model import from_state
 
     return from_state(to_state(scorer), bags="scatter" if scorer.scatter else "embedding_bag")
 

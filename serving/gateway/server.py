@@ -26,21 +26,21 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from recsys_stack.config import ConfigError, parse
-from serving import kserve, metrics
-from serving.admission import Admission, AdmissionInterceptor
-from serving.auth import AuthError, check_exposure, server_credentials
-from serving.auth import interceptors as auth_interceptors
-from serving.backends import BackendError, BackendPool
-from serving.coalesce import Arrays, Coalescer, Expired, ScoreCountError
-from serving.codec import HEADER, CodecError, body_bytes, decode_response, encode_request
-from serving.config import GatewayConfig
-from serving.errors import ScoreError
-from serving.plan import Plan, PlanError, PlanWatcher, ordered, schema_plan
-from serving.rpc import add_servicer
+from serving.gateway import kserve, metrics
+from serving.gateway.admission import Admission, AdmissionInterceptor
+from serving.gateway.auth import AuthError, check_exposure, server_credentials
+from serving.gateway.auth import interceptors as auth_interceptors
+from serving.gateway.backends import BackendError, BackendPool
+from serving.gateway.coalesce import Arrays, Coalescer, Expired, ScoreCountError
+from serving.gateway.config import GatewayConfig
+from serving.gateway.errors import ScoreError
+from serving.gateway.plan import Plan, PlanError, PlanWatcher, ordered, schema_plan
+from serving.gateway.rpc import add_servicer
+from serving.gateway.validate import InvalidRequest, Schema, clip
+from serving.gateway.wire import decode_score_request, peek_examples
 from serving.stubs import kserve_pb2, ranker_pb2, ranker_pb2_grpc, reflection_pool
 from serving.torchserve.keys import KeyFileError, read_keys
-from serving.validate import InvalidRequest, Schema, clip
-from serving.wire import decode_score_request, peek_examples
+from serving.worker.codec import HEADER, CodecError, body_bytes, decode_response, encode_request
 
 logger = logging.getLogger("serving.gateway")
 SERVICE = "recsys.v1.Ranker"
@@ -156,7 +156,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
     ) -> ranker_pb2.ScoreResponse:
         """``recsys.v1.Ranker/Score``: the request arrives as bytes (registered raw): an
         overload is refused before decoding, and decoding skips protobuf's per-value objects
-        (``serving.wire``)."""
+        (``serving.gateway.wire``)."""
         try:
             # refused before the work of decoding when num_examples alone says so
             claimed = min(peek_examples(data), self.cfg.limits.max_examples)  # more: invalid

@@ -20,7 +20,7 @@ Exported (prefix ``recsys_gateway_``):
   on another one if any is left (the backend leaves rotation; a timeout is never retried).
 - ``model_info{model_name,model_version}``: each served version (always 1);
   ``version_traffic_ratio{model_version}``: its share of the requests that name no version;
-  ``plan_generation{plan}``: the serving plan applied, by plan file (serving/plan.py).
+  ``plan_generation{plan}``: the serving plan applied, by plan file (serving/gateway/plan.py).
 - ``version_requests_total{model_version}``, ``scores{model_version}`` (histogram of each
   request's mean click probability): traffic and predicted CTR per version, to compare a
   canary with the default while a rollout shifts traffic.
@@ -38,9 +38,9 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from serving.rpc import WrappingInterceptor
+from serving.gateway.rpc import WrappingInterceptor
 
-logger = logging.getLogger("serving.metrics")
+logger = logging.getLogger("serving.gateway.metrics")
 PREFIX = "recsys_gateway"
 REJECTION_REASONS = ("invalid", "unauthenticated", "overload", "deadline")
 
@@ -231,7 +231,7 @@ class MetricsInterceptor(WrappingInterceptor):
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """The handler, timed and counted (unary-unary, or stream-unary: the scoring calls
-        behind the admission gate, serving/admission.py)."""
+        behind the admission gate, serving/gateway/admission.py)."""
         inner = handler.unary_unary or handler.stream_unary
         latency = self.m.latency.labels(method)
         in_flight = self.m.in_flight

@@ -18,9 +18,16 @@ from __future__ import annotations
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from serving.codec import Arrays
+from serving.gateway.validate import (
+    Columns,
+    InvalidRequest,
+    Limits,
+    Schema,
+    columns,
+    validate_columns,
+)
 from serving.stubs import ranker_pb2
-from serving.validate import Columns, InvalidRequest, Limits, Schema, columns, validate_columns
+from serving.worker.codec import Arrays
 
 # tags: (field number << 3) | wire type (0 = varint, 2 = length-delimited)
 NUM_EXAMPLES, DENSE, SPARSE, MODEL_VERSION = 0x08, 0x12, 0x1A, 0x22

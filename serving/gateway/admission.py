@@ -33,9 +33,9 @@ from typing import Any
 
 import grpc
 
-from serving import metrics
-from serving.errors import ScoreError
-from serving.rpc import WrappingInterceptor
+from serving.gateway import metrics
+from serving.gateway.errors import ScoreError
+from serving.gateway.rpc import WrappingInterceptor
 
 # weight of the newest backend call in the latency average: ~the last 10 calls matter
 EWMA_WEIGHT = 0.1

@@ -1,6 +1,6 @@
 """Client of the gateway: Criteo TSV rows -> ``recsys.v1.ScoreRequest`` -> scores.
 
-``python -m serving.client --data rows.tsv`` (``recsys-score``, ``make score``) prints one
+``python -m serving.tools.client --data rows.tsv`` (``recsys-score``, ``make score``) prints one
 probability per row (with the label when the file has one). Also a library for tests, the
 load generator and the supervisor: :func:`parse_rows`, :func:`build_request`,
 :class:`RankerClient`, :func:`gateway_status`. Serving never imports training: the TSV parser
@@ -19,8 +19,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from recsys_stack.config import ConfigError, parse
-from serving.auth import AuthError, call_metadata, client_token
-from serving.config import ClientConfig
+from serving.gateway.auth import AuthError, call_metadata, client_token
+from serving.gateway.config import ClientConfig
 from serving.stubs import ranker_pb2, ranker_pb2_grpc
 
 DENSE = [f"I{i}" for i in range(1, 14)]
@@ -102,7 +102,7 @@ def channel_credentials(cfg: ClientConfig) -> grpc.ChannelCredentials | None:
 
 class RankerClient:
     """Blocking client; ``score`` returns float32[B]. ``token``: the gateway's bearer token
-    (None = :func:`serving.auth.client_token`: ``RECSYS_GATEWAY_TOKEN_FILE`` or the file
+    (None = :func:`serving.gateway.auth.client_token`: ``RECSYS_GATEWAY_TOKEN_FILE`` or the file
     ``make serve`` writes, when there is one; "" = none); ``credentials``: TLS (None =
     plaintext)."""
 
@@ -172,7 +172,7 @@ def score_rows(cfg: ClientConfig, rows: Rows) -> Iterable[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point (``recsys-score``)."""
     try:
-        cfg = parse(ClientConfig, argv, "python -m serving.client", __doc__.split("\n\n")[0])
+        cfg = parse(ClientConfig, argv, "python -m serving.tools.client", __doc__.split("\n\n")[0])
         rows = read_rows(cfg)
     except (ConfigError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

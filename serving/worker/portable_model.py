@@ -4,7 +4,7 @@ The export (``training/export/portable.py``) copies a trained TorchRec DLRM's we
 :class:`PortableScorer`, then saves it as TorchScript, as a ``torch.export`` program and as
 ONNX. Only ``torch`` is imported here, so a machine with a CUDA torch and nothing else (no
 fbgemm wheel pinned to its torch) can rebuild, load and check the model
-(``python -m serving.gpu_check``).
+(``python -m serving.tools.gpu_check``).
 
 Same signature and preprocessing as the TorchRec scorer (``training/export/scorer.py``):
 

@@ -144,7 +144,7 @@ def validate_arrays(
 @dataclass
 class Columns:
     """A ScoreRequest as arrays, features in request order: what both decoders produce
-    (protobuf's message, :func:`columns`; the raw-bytes fast path, ``serving.wire``)."""
+    (protobuf's message, :func:`columns`; the raw-bytes fast path, ``serving.gateway.wire``)."""
 
     examples: int
     """num_examples as sent."""

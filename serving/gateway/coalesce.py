@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving import metrics
+from serving.gateway import metrics
 
-logger = logging.getLogger("serving.coalesce")
+logger = logging.getLogger("serving.gateway.coalesce")
 Arrays = tuple[
     np.ndarray, np.ndarray, np.ndarray
 ]  # dense f32[B,D], values i64[N], lengths i32[F,B]

@@ -1,6 +1,6 @@
 """Served-model evaluation: score a labelled Criteo TSV through the gateway, report its quality.
 
-``python -m serving.evaluate --data labelled.tsv`` (``make evaluate DATA=... [VERSION=...]``)
+``python -m serving.tools.evaluate --data labelled.tsv`` (``make evaluate DATA=... [VERSION=...]``)
 reads the rows with the client's own TSV parser, scores them through the running gateway in
 batches (``recsys.v1`` Score, ``--version`` selects a model version) with a progress bar, prints
 AUC, normalized entropy, log loss and calibration (predicted CTR / actual CTR), and writes
@@ -28,11 +28,11 @@ import numpy as np
 
 from recsys_stack.config import ConfigError, env_field, parse, to_dict
 from recsys_stack.progress import progress
-from serving.auth import AuthError, client_token
-from serving.client import RankerClient, Rows, build_request, parse_rows
-from serving.config import GATEWAY_PORT, GATEWAY_PORT_ENV, TOKEN_FILE_ENV
+from serving.gateway.auth import AuthError, client_token
+from serving.gateway.config import GATEWAY_PORT, GATEWAY_PORT_ENV, TOKEN_FILE_ENV
+from serving.tools.client import RankerClient, Rows, build_request, parse_rows
 
-logger = logging.getLogger("serving.evaluate")
+logger = logging.getLogger("serving.tools.evaluate")
 EPS = 1e-7  # probabilities are clipped to [EPS, 1 - EPS] in log loss
 
 
@@ -249,7 +249,9 @@ def summary(report: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse, evaluate, print the figures and where the report went."""
     try:
-        cfg = parse(EvaluateConfig, argv, "python -m serving.evaluate", __doc__.split("\n\n")[0])
+        cfg = parse(
+            EvaluateConfig, argv, "python -m serving.tools.evaluate", __doc__.split("\n\n")[0]
+        )
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

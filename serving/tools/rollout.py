@@ -1,6 +1,6 @@
 """``make rollout VERSION=<v>`` / ``make rollback``: replace the served model without a failed request.
 
-``python -m serving.rollout --version 2`` works on the stack ``make serve`` started (its
+``python -m serving.tools.rollout --version 2`` works on the stack ``make serve`` started (its
 ``serve.json``: replicas, gateway, serving plan) and takes these steps, printing each:
 
 1. **register** ``<model>-<v>.mar`` on every TorchServe replica (management API, management
@@ -43,17 +43,17 @@ from typing import Any
 import grpc
 
 from recsys_stack.config import ConfigError, env_field, parse
-from serving import evaluate as ev
-from serving import plan as plan_io
-from serving.auth import AuthError, call_metadata, client_token
-from serving.config import GatewayConfig
-from serving.plan import Plan, PlanError
+from serving.gateway import plan as plan_io
+from serving.gateway.auth import AuthError, call_metadata, client_token
+from serving.gateway.config import GatewayConfig
+from serving.gateway.plan import Plan, PlanError
 from serving.stubs import kserve_pb2, kserve_pb2_grpc
-from serving.supervisor import WORKDIR, gateway_config, local_target, read_state, replicas
+from serving.tools import evaluate as ev
+from serving.tools.supervisor import WORKDIR, gateway_config, local_target, read_state, replicas
 from serving.torchserve import manage
 from serving.torchserve.config import TorchServeConfig
 
-logger = logging.getLogger("serving.rollout")
+logger = logging.getLogger("serving.tools.rollout")
 
 
 @dataclass
@@ -368,7 +368,9 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: 0 promoted, 1 refused or stopped (the plan stays consistent), 2 bad use."""
     try:
-        cfg = parse(RolloutConfig, argv, "python -m serving.rollout", __doc__.split("\n\n")[0])
+        cfg = parse(
+            RolloutConfig, argv, "python -m serving.tools.rollout", __doc__.split("\n\n")[0]
+        )
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

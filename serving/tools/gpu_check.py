@@ -1,4 +1,4 @@
-"""Device check of the portable export: ``python -m serving.gpu_check --export runs/demo/export``.
+"""Device check of the portable export: ``python -m serving.tools.gpu_check --export runs/demo/export``.
 
 Needs torch and the standard library only (no numpy, fbgemm or TorchRec), so that it runs on a
 borrowed CUDA machine with the repository copied and no venv. It
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from recsys_stack.config import ConfigError, parse
-from serving.portable_model import from_state
+from serving.worker.portable_model import from_state
 
-logger = logging.getLogger("serving.gpu_check")
+logger = logging.getLogger("serving.tools.gpu_check")
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 MAX_ABS_DIFF_FP32 = 1e-5  # the export's gates (training/export/parity.py)
 MAX_AUC_DROP = 1e-3
@@ -114,7 +114,7 @@ def compile_aoti(export: Path, device: torch.device, out: Path) -> Any:
 
 def load_models(export: Path, schema: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Every torch-loadable portable variant on ``device`` (name -> callable)."""
-    from serving.scoring import load_artifact
+    from serving.worker.scoring import load_artifact
 
     models: dict[str, Any] = {}
     for name, info in schema["variants"].items():
@@ -154,7 +154,7 @@ def parity(
 def handler_stages(export: Path, schema: dict[str, Any], sample: dict[str, torch.Tensor]) -> str:
     """The handler's choice and ``ScoringModel`` on CUDA: two requests in one forward."""
     try:
-        from serving.scoring import ScoringModel, choose_variant, slice_examples
+        from serving.worker.scoring import ScoringModel, choose_variant, slice_examples
     except ImportError as e:
         return f"handler stages: skipped ({e}; pip install numpy to run them)"
     device = torch.device("cuda:0")
@@ -232,7 +232,9 @@ def check(cfg: GpuCheckConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        cfg = parse(GpuCheckConfig, argv, "python -m serving.gpu_check", __doc__.split("\n\n")[0])
+        cfg = parse(
+            GpuCheckConfig, argv, "python -m serving.tools.gpu_check", __doc__.split("\n\n")[0]
+        )
         if not (cfg.export / "schema.json").is_file():
             raise ConfigError(f"{cfg.export / 'schema.json'} not found: run `make export` first")
         variants = json.loads((cfg.export / "schema.json").read_text()).get("variants", {})

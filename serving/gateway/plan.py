@@ -3,7 +3,7 @@
 One JSON file (``<serve workdir>/plan.json``) is the source of truth that every part reads:
 
 * ``make serve`` writes it with the run's version; ``make rollout`` / ``make rollback``
-  rewrite it step by step (``serving/rollout.py``);
+  rewrite it step by step (``serving/tools/rollout.py``);
 * the gateway re-reads it when it changes (``GatewayConfig.plan``): versions it routes, the
   default for requests that name none, and the weights that split those requests;
 * TorchServe's ``config.properties`` registers every version in it (``TorchServeConfig.plan``):
@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the gateway's schema (numpy-free import here: TorchServe's config reads plans)
-    from serving.validate import Schema
+    from serving.gateway.validate import Schema
 
 PLAN_FILE = "plan.json"
-logger = logging.getLogger("serving.plan")
+logger = logging.getLogger("serving.gateway.plan")
 
 
 class PlanError(ValueError):

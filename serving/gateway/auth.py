@@ -13,7 +13,7 @@
 - Client side: :func:`client_token` finds the token (``RECSYS_GATEWAY_TOKEN_FILE``, else the
   file ``make serve`` writes) and :func:`write_token_file` creates it (mode 0600).
 
-``python -m serving.auth PATH`` creates a token file if there is none (compose's init step).
+``python -m serving.gateway.auth PATH`` creates a token file if there is none (compose's init step).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 
 import grpc
 
-from serving.config import TOKEN_FILE_ENV, TOKEN_FILE_NAME, AuthConfig, TlsConfig
+from serving.gateway.config import TOKEN_FILE_ENV, TOKEN_FILE_NAME, AuthConfig, TlsConfig
 
-logger = logging.getLogger("serving.auth")
+logger = logging.getLogger("serving.gateway.auth")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 RECHECK_S = 1.0  # how often the token file's stat is looked at, at most
 
@@ -121,7 +121,7 @@ def _denier(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
     """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED."""
     # imported here, on the gateway's side only: clients of this module (the Locust image)
     # run without prometheus_client
-    from serving import metrics
+    from serving.gateway import metrics
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         metrics.rejected("unauthenticated")
@@ -261,7 +261,7 @@ def write_token_file(path: Path) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m serving.auth PATH``: create a token file (mode 0600) unless one exists."""
+    """``python -m serving.gateway.auth PATH``: create a token file (mode 0600) unless one exists."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args in (["-h"], ["--help"]):
         print(main.__doc__)

@@ -11,7 +11,7 @@ unmodified. The model takes the artifact's own tensors (``schema.json``, feature
 
 Tensors come as typed ``contents`` or ``raw_input_contents`` (little-endian, row-major); the
 reply uses the same form. A request is decoded here, then checked by
-:func:`serving.validate.validate_arrays` and scored by :meth:`Ranker.score_arrays`, like
+:func:`serving.gateway.validate.validate_arrays` and scored by :meth:`Scorer.score_arrays`, like
 ``Score``: the same limits, checks, coalescing, backends, status codes and metrics (the auth and
 metrics interceptors cover every service).
 """
@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from serving import metrics
-from serving.errors import ScoreError
-from serving.plan import ordered
-from serving.rpc import add_servicer
+from serving.gateway import metrics
+from serving.gateway.errors import ScoreError
+from serving.gateway.plan import ordered
+from serving.gateway.rpc import add_servicer
+from serving.gateway.validate import InvalidRequest, Schema, clip, validate_arrays
 from serving.stubs import kserve_pb2, kserve_pb2_grpc
-from serving.validate import InvalidRequest, Schema, clip, validate_arrays
 
-if TYPE_CHECKING:  # the gateway registers this service: no import back at run time
-    from serving.gateway import Ranker
+if TYPE_CHECKING:
+    from serving.gateway.service import Scorer
 
 SERVICE = "inference.GRPCInferenceService"
 SERVER_NAME = "recsys-gateway"
@@ -138,9 +138,9 @@ def encode_scores(request: Any, scores: np.ndarray, version: str, raw: bool) -> 
 
 
 class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-    """``inference.GRPCInferenceService`` over the gateway's :class:`Ranker`."""
+    """``inference.GRPCInferenceService`` over the gateway's :class:`Scorer`."""
 
-    def __init__(self, ranker: Ranker) -> None:
+    def __init__(self, ranker: Scorer) -> None:
         self.ranker = ranker
 
     @property
@@ -227,7 +227,7 @@ class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc
         return encode_scores(request, scores, version, raw=bool(request.raw_input_contents))
 
 
-def add_to_server(ranker: Ranker, server: grpc.aio.Server) -> None:
+def add_to_server(ranker: Scorer, server: grpc.aio.Server) -> None:
     """Register the KServe v2 service for ``ranker``'s model on ``server``."""
-    # bytes that are no message: INVALID_ARGUMENT, as for Score (serving/rpc.py)
+    # bytes that are no message: INVALID_ARGUMENT, as for Score (serving/gateway/rpc.py)
     add_servicer(server, kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, KServe(ranker))

@@ -24,12 +24,12 @@ from typing import Any
 import grpc
 import numpy as np
 
-from serving import metrics
-from serving.codec import CodecError, decode_response, encode_request
+from serving.gateway import metrics
 from serving.torchserve.client import PREDICTIONS, inference_pb2, predictions_envelope
 from serving.torchserve.keys import KeyFileError, KeySource
+from serving.worker.codec import CodecError, decode_response, encode_request
 
-logger = logging.getLogger("serving.backends")
+logger = logging.getLogger("serving.gateway.backends")
 RECONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from recsys_stack.config import env_field
-from serving.validate import Limits
+from serving.gateway.validate import Limits
 
 GATEWAY_PORT_ENV = "RECSYS_GATEWAY_PORT"
 GATEWAY_PORT = 50051
@@ -23,7 +23,7 @@ METRICS_PORT = 9464  # the OpenTelemetry Prometheus exporter's customary port
 
 @dataclass
 class CoalesceConfig:
-    """How the gateway merges concurrent requests into TorchServe calls (serving/coalesce.py)."""
+    """How the gateway merges concurrent requests into TorchServe calls (serving/gateway/coalesce.py)."""
 
     enabled: bool = True
     """Merge requests that arrive while every backend slot is busy into one call."""
@@ -39,7 +39,7 @@ class CoalesceConfig:
 
 @dataclass
 class AuthConfig:
-    """Bearer tokens on every gateway service (serving/auth.py)."""
+    """Bearer tokens on every gateway service (serving/gateway/auth.py)."""
 
     token_file: str = env_field(TOKEN_FILE_ENV, "")
     """File of accepted tokens, one per line (``#`` comments and blank lines ignored), re-read
@@ -75,7 +75,7 @@ class TlsConfig:
 
 @dataclass
 class MetricsConfig:
-    """The gateway's Prometheus endpoint (serving/metrics.py)."""
+    """The gateway's Prometheus endpoint (serving/gateway/metrics.py)."""
 
     port: int = env_field("RECSYS_GATEWAY_METRICS_PORT", METRICS_PORT)
     """Port of ``GET /metrics`` (Prometheus text format); 0 = no endpoint. A port already in
@@ -92,7 +92,7 @@ class GatewayConfig:
     """The exported model's schema.json: the request contract (feature names and order) and
     model name every version shares; its version is the one served when ``plan`` is empty."""
     plan: str = env_field("RECSYS_SERVING_PLAN", "")
-    """Serving plan file (serving/plan.py: versions, default, traffic shares), re-read when it
+    """Serving plan file (serving/gateway/plan.py: versions, default, traffic shares), re-read when it
     changes; written by ``make serve``, ``make rollout`` and ``make rollback``. Empty = the one
     version of ``schema``."""
     host: str = env_field("RECSYS_GATEWAY_HOST", "127.0.0.1")

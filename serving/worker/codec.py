@@ -6,7 +6,7 @@ Request (little-endian), ``RSB1``::
     float32[B*D] dense (row-major) | int32[F*B] lengths (feature-major) | int64[N] ids
 
 Response: ``float32[B]`` probabilities. Decoding is zero-copy (``np.frombuffer``; the handler
-wraps the views with ``torch.from_numpy``, see ``serving/scoring.py``) and checks every size
+wraps the views with ``torch.from_numpy``, see ``serving/worker/scoring.py``) and checks every size
 against the header, so a truncated or inconsistent body is named precisely instead of crashing
 a worker. Also TorchServe's default REST style (JSON ``instances``), kept for users who call
 TorchServe directly.

@@ -1,7 +1,7 @@
 """TorchServe handler for the exported scorer: binary requests in, probabilities out.
 
 TorchServe accepts a handler module with exactly one class, so the model-side stages live in
-``serving/scoring.py`` (archived beside this file) and only ``RecsysHandler`` is defined here.
+``serving/worker/scoring.py`` (archived beside this file) and only ``RecsysHandler`` is defined here.
 
 Stages (LitServe-style, each testable without a server): ``load`` (artifact + schema, device
 choice) -> ``decode`` each request -> ``forward`` one concatenated batch -> ``split`` back per
@@ -29,8 +29,8 @@ try:  # TorchServe puts the archive's extra files beside the handler, not in a p
     from codec import REJECTION, CodecError, decode_json, encode_response  # type: ignore[import-not-found]
     from scoring import ScoringModel, choose_variant, to_tensors  # type: ignore[import-not-found]
 except ImportError:
-    from serving.codec import REJECTION, CodecError, decode_json, encode_response
-    from serving.scoring import ScoringModel, choose_variant, to_tensors
+    from serving.worker.codec import REJECTION, CodecError, decode_json, encode_response
+    from serving.worker.scoring import ScoringModel, choose_variant, to_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def cpu_threads(env: dict[str, str], cores: int, workers: int) -> int:
 
 
 class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
-    """TorchServe entry point (``--handler serving/handler.py``)."""
+    """TorchServe entry point (``--handler serving/worker/handler.py``)."""
 
     def initialize(self, context: Any) -> None:
         props = context.system_properties

@@ -1,6 +1,6 @@
 """``make serve`` / ``make stop`` / ``make status``: TorchServe and the gateway in the background.
 
-``python -m serving.supervisor start`` (``recsys-serve start``) starts TorchServe with the
+``python -m serving.tools.supervisor start`` (``recsys-serve start``) starts TorchServe with the
 archive of the schema's model version, waits until a worker is READY, then starts the gateway
 in front of it and returns once its health service says SERVING (or fails with the log tail,
 stopping what it started). ``stop`` ends both (the gateway first, gracefully); ``status``
@@ -37,14 +37,14 @@ from recsys_stack.config import (
     from_args,
     to_dict,
 )
-from serving import plan as plan_io
-from serving.auth import AuthError, call_metadata, client_token, write_token_file
-from serving.client import gateway_status
-from serving.config import TOKEN_FILE_NAME, GatewayConfig
-from serving.plan import PLAN_FILE
+from serving.gateway import plan as plan_io
+from serving.gateway.auth import AuthError, call_metadata, client_token, write_token_file
+from serving.gateway.config import TOKEN_FILE_NAME, GatewayConfig
+from serving.gateway.plan import PLAN_FILE
+from serving.gateway.validate import Schema
+from serving.tools.client import gateway_status
 from serving.torchserve import manage, process
 from serving.torchserve.config import TorchServeConfig, on_free_ports, resolve_model
-from serving.validate import Schema
 
 STATE = "serve.json"
 WORKDIR = Path("runs/serve")
@@ -329,7 +329,7 @@ def _versions(ts: TorchServeConfig) -> dict[str, int]:
 
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
-        prog="python -m serving.supervisor",
+        prog="python -m serving.tools.supervisor",
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("command", choices=["start", "stop", "status"])

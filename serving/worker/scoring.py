@@ -20,7 +20,7 @@ import torch
 if TYPE_CHECKING:
     import numpy as np
 
-# torch alone loads and runs a portable model here (serving.gpu_check, on a machine that may
+# torch alone loads and runs a portable model here (serving.tools.gpu_check, on a machine that may
 # have no numpy); only decoding a request body needs the (numpy) codec.
 
 # batch sizes a worker scores before it reports READY (see ScoringModel.warm_up)
@@ -38,7 +38,7 @@ def _decode_request() -> Callable[..., Any]:
     try:  # inside a TorchServe worker, archive files sit side by side
         from codec import decode_request  # type: ignore[import-not-found]
     except ImportError:
-        from serving.codec import decode_request
+        from serving.worker.codec import decode_request
     return decode_request  # type: ignore[no-any-return]
 
 

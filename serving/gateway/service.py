@@ -1,0 +1,32 @@
+"""What the KServe front door needs of the gateway's scorer, named once.
+
+``server.Ranker`` provides it and ``kserve`` consumes it; neither imports the other for it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from serving.gateway.backends import BackendPool
+    from serving.gateway.coalesce import Arrays
+    from serving.gateway.config import GatewayConfig
+    from serving.gateway.plan import Plan
+    from serving.gateway.validate import Schema
+
+
+class Scorer(Protocol):
+    """The gateway's scoring path behind every front door."""
+
+    cfg: GatewayConfig
+    schema: Schema
+    pool: BackendPool
+    plan: Plan
+
+    def resolve(self, version: str) -> str: ...
+
+    async def score_arrays(
+        self, arrays: Arrays, version: str, time_remaining: float | None
+    ) -> tuple[np.ndarray, str, str]: ...
