@@ -5,10 +5,15 @@ Two rules, checked before a request joins the coalescer's queue:
 - **A budget of examples in flight** (``limits.max_inflight_examples``): beyond it a request is
   refused at once with RESOURCE_EXHAUSTED instead of queueing behind work that already fills the
   backends (a queue only turns overload into timeouts for everyone, health probes included).
-- **A deadline that cannot be met**: a request whose remaining deadline is shorter than the
-  backends' recent call latency (an exponentially weighted average of the calls that succeeded)
-  is refused at once with DEADLINE_EXCEEDED, instead of using a slot for an answer that would
-  arrive too late.
+- **A deadline that cannot be met**: while other requests are in flight, a request whose
+  remaining deadline is shorter than the backends' recent call latency is refused at once with
+  DEADLINE_EXCEEDED, instead of using a slot for an answer that would arrive too late. The
+  estimate cannot wedge the gate: it is an exponentially weighted average of every backend call,
+  failures and timeouts included (their elapsed time); it decays with time since the last call
+  (half-life :data:`LATENCY_HALF_LIFE_S`), so one slow call is forgotten within seconds even if
+  nothing succeeds; and with nothing in flight a request always goes through, so an idle gateway
+  measures the backends again instead of trusting an old figure. :meth:`Admission.refusing_all`
+  tells health when the gate has refused every call for a while anyway.
 
 Both refusals cost microseconds and leave what is already in flight untouched.
 :class:`AdmissionInterceptor` applies the budget before a scoring call's request is even read:
@@ -43,6 +48,12 @@ EWMA_WEIGHT = 0.1
 # average let a burst of large requests in after small ones (64 x 1,000 examples after calls
 # of 10 all uploaded, and 1 in 10 of them was refused only after, in up to 1.3 s)
 PEAK_WINDOW_S = 10.0
+# the latency estimate halves every this many seconds without a backend call to refresh it
+LATENCY_HALF_LIFE_S = 2.0
+# health says NOT_SERVING when the deadline gate refused every call for this long (and at least
+# REFUSING_ALL_MIN calls): a gateway that only refuses should be taken out of rotation
+REFUSING_ALL_S = 5.0
+REFUSING_ALL_MIN = 20
 # how often a call waiting at the door before the first admission looks again
 DOOR_POLL_S = 0.002
 # the place a call holds at the door (examples expected), per task: admit() converts it
@@ -57,7 +68,12 @@ class Admission:
     """Most examples admitted at once (requests being validated, queued or scored)."""
     in_flight: int = 0
     latency_s: float = 0.0
-    """Recent backend call latency, seconds (0 until the first call)."""
+    """Backend call latency, seconds, as of :attr:`latency_at` (0 until the first call); read
+    it through :meth:`latency` (decayed to now)."""
+    latency_at: float = 0.0
+    deadline_refusals: int = 0
+    """Consecutive deadline refusals since the last admission."""
+    last_admit_at: float = 0.0
     refused: int = 0
     reserved: float = 0.0
     """Examples expected from the calls past the door not admitted yet (receiving or decoding
@@ -79,6 +95,7 @@ class Admission:
             self.reserved -= own
             _DOOR.set(0.0)
         now = time.monotonic()
+        self.deadline_refusals, self.last_admit_at = 0, now
         if examples >= self.peak_examples or now - self.peak_at > PEAK_WINDOW_S:
             self.peak_examples, self.peak_at = examples, now
 
@@ -87,13 +104,18 @@ class Admission:
         a request be refused before the work of decoding it."""
         if self.in_flight and self.in_flight + examples > self.max_examples:
             raise self.refusal()
-        if time_remaining is not None and time_remaining < self.latency_s:
-            raise self.refusal(
-                "deadline",
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"the remaining deadline ({time_remaining * 1e3:.1f} ms) is shorter than the "
-                f"backends' recent latency ({self.latency_s * 1e3:.1f} ms)",
-            )
+        # with nothing in flight the call goes through whatever the estimate says: it is the
+        # probe that corrects an estimate no longer true (the gate never refuses on its own say)
+        if time_remaining is not None and self.in_flight:
+            latency = self.latency()
+            if time_remaining < latency:
+                self.deadline_refusals += 1
+                raise self.refusal(
+                    "deadline",
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the remaining deadline ({time_remaining * 1e3:.1f} ms) is shorter than "
+                    f"the backends' recent latency ({latency * 1e3:.1f} ms)",
+                )
 
     def refusal(
         self,
@@ -144,12 +166,30 @@ class Admission:
     def release(self, examples: int) -> None:
         self.in_flight -= examples
 
+    def latency(self, now: float | None = None) -> float:
+        """The backends' recent call latency (seconds), decayed by the time since the last
+        call ended: halves every :data:`LATENCY_HALF_LIFE_S` without news."""
+        if not self.latency_s:
+            return 0.0
+        age = (time.monotonic() if now is None else now) - self.latency_at
+        return self.latency_s * 0.5 ** (max(age, 0.0) / LATENCY_HALF_LIFE_S)
+
     def observe(self, seconds: float) -> None:
-        """A backend call that succeeded took ``seconds``."""
-        if self.latency_s == 0.0:
-            self.latency_s = seconds
-        else:
-            self.latency_s += EWMA_WEIGHT * (seconds - self.latency_s)
+        """A backend call ended after ``seconds``: answered, failed or timed out alike (a
+        timeout's elapsed time is a lower bound of the latency, which is what it teaches)."""
+        now = time.monotonic()
+        current = self.latency(now)
+        self.latency_s = seconds if not current else current + EWMA_WEIGHT * (seconds - current)
+        self.latency_at = now
+
+    def refusing_all(self, now: float | None = None) -> bool:
+        """The deadline gate refused every call (at least :data:`REFUSING_ALL_MIN`) for the
+        last :data:`REFUSING_ALL_S`: health should say so rather than SERVING."""
+        now = time.monotonic() if now is None else now
+        return (
+            self.deadline_refusals >= REFUSING_ALL_MIN
+            and now - self.last_admit_at >= REFUSING_ALL_S
+        )
 
 
 class AdmissionInterceptor(WrappingInterceptor):

@@ -113,8 +113,10 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         else:
             request = encode_request(*arrays, envelope)
         started = time.monotonic()
-        prediction, backend = await self.pool.predict(request, version, time_remaining)
-        self.admission.observe(time.monotonic() - started)
+        try:
+            prediction, backend = await self.pool.predict(request, version, time_remaining)
+        finally:  # failures and timeouts teach the estimate too (a stall must show in it)
+            self.admission.observe(time.monotonic() - started)
         scores = decode_response(prediction)
         if scores.size != arrays[0].shape[0]:
             raise ScoreCountError(f"{scores.size} scores for {arrays[0].shape[0]} examples")
@@ -233,7 +235,8 @@ async def poll_health(
     servicer: health.aio.HealthServicer,
 ) -> None:
     """Applies plan changes, probes every backend for every version; SERVING while at least
-    one backend answers for the default version, NOT_SERVING otherwise."""
+    one backend answers for the default version and the deadline gate is not refusing every
+    call (:meth:`Admission.refusing_all`), NOT_SERVING otherwise."""
     status = None
     schema = ranker.schema
     while True:
@@ -245,6 +248,9 @@ async def poll_health(
             )
         except Exception:  # never let the poller die: health would be stuck where it was
             logger.exception("health probe failed; NOT_SERVING until a probe succeeds")
+            ok = False
+        if ok and ranker.admission.refusing_all():
+            logger.warning("the deadline gate refuses every call: NOT_SERVING")
             ok = False
         new = (
             health_pb2.HealthCheckResponse.SERVING

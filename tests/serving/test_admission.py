@@ -71,3 +71,67 @@ def test_refusals_name_the_budget_and_the_deadline() -> None:
         a.check(1, 0.1)
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert a.refused == 2 and a.in_flight == 80
+
+
+def test_a_slow_first_call_does_not_wedge_the_deadline_gate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 24: one 0.4 s call set the estimate, only successes updated it, and every later
+    call (deadline 0.2 s) was refused forever: 10,000 of 10,000. Now the estimate decays and an
+    idle gate lets calls through, so fast backends are seen again within seconds."""
+    a = Admission(10_000, prior_examples=1)
+    now = [100.0]
+    monkeypatch.setattr(adm.time, "monotonic", lambda: now[0])
+    a.observe(0.4)  # the slow first call
+    a.admit(1, 0.2)  # nothing in flight: goes through despite the estimate (it is the probe)
+    refused = served = 0
+    for _ in range(5000):  # steady load: one call always in flight, 1 ms apart, backends 5 ms
+        now[0] += 0.001
+        try:
+            a.admit(1, 0.2)
+        except ScoreError as e:
+            assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            refused += 1
+            continue
+        served += 1
+        a.observe(0.005)
+        a.release(1)
+    # refused for ~2 s (0.4 s halves below the 0.2 s deadline in one half-life), then served
+    assert refused <= 2000 * adm.LATENCY_HALF_LIFE_S / 2 + 10, (served, refused)
+    assert served >= 5000 - refused
+    assert a.latency() < 0.05
+
+
+def test_failures_and_timeouts_teach_the_estimate() -> None:
+    a = Admission(100)
+    a.observe(0.005)
+    for _ in range(30):  # a stalled backend: every call times out after 2 s
+        a.observe(2.0)
+    assert a.latency() > 1.0  # the gate knows calls now take seconds
+
+
+def test_the_estimate_decays_without_news(monkeypatch: pytest.MonkeyPatch) -> None:
+    a = Admission(100)
+    now = [0.0]
+    monkeypatch.setattr(adm.time, "monotonic", lambda: now[0])
+    a.observe(2.0)
+    now[0] += adm.LATENCY_HALF_LIFE_S * 3
+    assert a.latency() == pytest.approx(0.25)
+
+
+def test_health_hears_of_a_gate_that_refuses_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    a = Admission(100)
+    now = [0.0]
+    monkeypatch.setattr(adm.time, "monotonic", lambda: now[0])
+    a.admit(1, None)  # one call in flight (never ends)
+    for _ in range(10_000):  # a backend really slower than every caller's deadline
+        a.observe(1.0)
+    for _ in range(adm.REFUSING_ALL_MIN):
+        now[0] += adm.REFUSING_ALL_S / adm.REFUSING_ALL_MIN
+        with pytest.raises(ScoreError):
+            a.admit(1, 0.01)
+        a.observe(1.0)
+    assert a.refusing_all()
+    a.release(1)
+    a.admit(1, 0.01)  # idle: a call goes through, and health may say SERVING again
+    assert not a.refusing_all()
