@@ -104,6 +104,12 @@ def _tensor(t: Any, spec: Tensor, raw: bytes | None) -> np.ndarray:
 def decode_inputs(request: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``ModelInferRequest`` -> ``(dense, values, lengths)`` as sent (checked for form only:
     names, datatypes, element counts); :func:`validate_arrays` checks them against the model."""
+    for what, count in (
+        ("inputs", len(request.inputs)),
+        ("raw_input_contents", len(request.raw_input_contents)),
+    ):
+        if count > len(INPUTS):  # bounded before any loop walks them
+            raise InvalidRequest(f"{what}: {count} entries; the model takes {len(INPUTS)} inputs")
     raws = list(request.raw_input_contents)
     if raws and len(raws) != len(request.inputs):
         raise InvalidRequest(

@@ -188,6 +188,17 @@ def validate(
     return validate_columns(columns(request), schema, limits, request_bytes)
 
 
+def check_feature_count(count: int, features: int | None) -> None:
+    """INVALID_ARGUMENT once a request's ``sparse`` entries are two more than the model's
+    features (checked while counting, before anything walks them: their count, not the bytes,
+    would set the cost). One more is left to :func:`validate_columns`, which then always finds
+    an unknown or repeated name among them and names it."""
+    if features is not None and count > features + 1:
+        raise InvalidRequest(
+            f"sparse: more than {features + 1} entries; the model has {features} features"
+        )
+
+
 def validate_columns(
     c: Columns, schema: Schema, limits: Limits, request_bytes: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

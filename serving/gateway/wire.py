@@ -10,7 +10,12 @@ Anything but the canonical encoding that protobuf writers emit (unpacked repeate
 fields, fields split in several pieces, a truncated or malformed buffer) returns ``None``, and
 the caller takes protobuf's own parser instead: this module is a fast path with protobuf as its
 reference, never a second opinion on what is valid (tests compare both on random and fuzzed
-requests). Shapes: ``B`` examples, ``D`` dense, ``F`` sparse features, ``N`` ids.
+requests).
+
+Work is bounded by the schema before any loop can run long: more ``sparse`` entries than the
+model has features is INVALID_ARGUMENT the moment the one too many is seen (a 4 MB request of
+two million empty features once cost 4.6 s of CPU here), on the fast path and before protobuf's
+objects are walked on the slow one. Shapes: ``B`` examples, ``D`` dense, ``F`` sparse features, ``N`` ids.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from serving.gateway.validate import (
     InvalidRequest,
     Limits,
     Schema,
+    check_feature_count,
     columns,
     validate_columns,
 )
@@ -70,16 +76,52 @@ def varints(data: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     return np.add.reduceat((data & 0x7F).astype(np.uint64) << shift, starts), last
 
 
-def parse(buf: bytes) -> Parsed | None:
+def parse(buf: bytes, max_features: int | None = None) -> Parsed | None:
     """Top level of a canonically encoded ScoreRequest: (num_examples, dense f32 view, [(name,
-    ids bytes, lengths bytes)] in request order, model_version); None = not canonical."""
+    ids bytes, lengths bytes)] in request order, model_version); None = not canonical. Raises
+    :class:`InvalidRequest` at the first ``sparse`` entry beyond ``max_features``."""
     try:
-        return _parse(buf)
+        return _parse(buf, max_features)
+    except InvalidRequest:
+        raise
     except (IndexError, ValueError, UnicodeDecodeError):
         return None
 
 
-def _parse(buf: bytes) -> Parsed | None:
+def _bound_fields(buf: bytes, max_features: int, max_fields: int) -> None:
+    """Before protobuf builds an object per field of a non-canonical request: walk its top
+    level (bytes skipped, not read) and refuse more ``sparse`` entries than ``max_features``
+    or more fields than ``max_fields`` (what a request within the limits can need, each
+    value in a field of its own). Malformed bytes stop the walk: protobuf names the error."""
+    pos, end, fields, sparse = 0, len(buf), 0, 0
+    try:
+        while pos < end:
+            tag, pos = _varint(buf, pos)
+            kind = tag & 7
+            if kind == 0:
+                pos = _varint(buf, pos)[1]
+            elif kind == 2:
+                n, pos = _varint(buf, pos)
+                pos += n
+            elif kind in (1, 5):
+                pos += 8 if kind == 1 else 4
+            else:
+                return  # groups: no field of ours, protobuf refuses or skips them
+            fields += 1
+            sparse += tag == SPARSE
+            check_feature_count(sparse, max_features)
+            if fields > max_fields:
+                raise InvalidRequest(
+                    f"the request has over {max_fields} top-level protobuf fields, more than any "
+                    "request within the limits needs"
+                )
+    except InvalidRequest:
+        raise
+    except (IndexError, ValueError):
+        return
+
+
+def _parse(buf: bytes, max_features: int | None) -> Parsed | None:
     view = memoryview(buf)
     pos, end = 0, len(buf)
     b, version = 0, ""
@@ -102,6 +144,7 @@ def _parse(buf: bytes) -> Parsed | None:
             dense = np.frombuffer(view[pos : pos + n], dtype="<f4")
             seen_dense = True
         elif tag == SPARSE:
+            check_feature_count(len(features) + 1, max_features)
             feature = _feature(buf, pos, pos + n, view)
             if feature is None:
                 return None
@@ -143,9 +186,12 @@ def decode_score_request(buf: bytes, schema: Schema, limits: Limits) -> tuple[Ar
         raise InvalidRequest(
             f"request is {len(buf)} bytes; the limit is {limits.max_request_bytes}"
         )
-    parsed = parse(buf)
+    features = len(schema.sparse)
+    parsed = parse(buf, features)
     cols = None if parsed is None else _columns(parsed)
     if parsed is None or cols is None:  # not the canonical encoding: protobuf decides
+        # num_examples, model_version, every feature, and every dense value in its own field
+        _bound_fields(buf, features, 2 + features + limits.max_examples * len(schema.dense))
         try:
             request = ranker_pb2.ScoreRequest.FromString(buf)
         except DecodeError as e:

@@ -16,15 +16,18 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 
 from serving.gateway.validate import Limits
 from serving.stubs import ranker_pb2, ranker_pb2_grpc
 from serving.tools.client import build_request, gateway_status
+from tests.serving.test_wire import CRAFTED
 from tests.stack import Stack, start_gateway, stop_gateway, wait_status
 
 SCORE = "/recsys.v1.Ranker/Score"
 LIMITS = Limits()
+OPTIONS = ("grpc.max_send_message_length", 8 << 20)
 
 
 def raw_score(channel: grpc.Channel, data: bytes, timeout: float = 30) -> bytes:
@@ -129,31 +132,66 @@ def fuzzed(rng: np.random.Generator, valid: bytes, n: int) -> list[bytes]:
     return out
 
 
+def gateway_cpu_s(stack: Stack) -> float:
+    """The gateway process's CPU time so far (user + system, seconds)."""
+    t = psutil.Process(stack.gateway.pid).cpu_times()
+    return float(t.user + t.system)
+
+
+def send_all(channel: grpc.Channel, batch: list[bytes]) -> dict[str, list[bytes]]:
+    """Every request, 64 in flight at a time -> the requests by status code name."""
+    call = channel.unary_unary(SCORE, request_serializer=None, response_deserializer=None)
+    by_code: dict[str, list[bytes]] = {}
+    for lo in range(0, len(batch), 64):
+        futures = [(d, call.future(d, timeout=30)) for d in batch[lo : lo + 64]]
+        for data, f in futures:
+            try:
+                f.result()
+                name = "OK"
+            except grpc.RpcError as e:
+                name = e.code().name
+            by_code.setdefault(name, []).append(data)
+    return by_code
+
+
 def test_fuzzed_requests_never_get_internal_or_unknown(stack: Stack) -> None:
+    """...and cost the gateway no more CPU each than a valid request of their size does (the
+    fuzz once counted only codes, and a crafted request cost seconds of CPU unseen)."""
     rng = np.random.default_rng(7)
     valid = build_request(stack.rows["dense"][:3], stack.rows["sparse"][:3]).SerializeToString()
-    codes: dict[str, int] = {}
-    bad: list[tuple[bytes, str, str]] = []
     with grpc.insecure_channel(stack.target) as channel:
-        call = channel.unary_unary(SCORE, request_serializer=None, response_deserializer=None)
+        send_all(channel, [valid] * 64)  # warm: connections, coalescer, first-call paths
+        start = gateway_cpu_s(stack)
+        assert set(send_all(channel, [valid] * 1000)) == {"OK"}
+        valid_ms = gateway_cpu_s(stack) - start  # s per 1,000 requests = ms per request
         batch = fuzzed(rng, valid, 10_000)
-        for lo in range(0, len(batch), 64):  # 64 in flight at a time
-            futures = [(d, call.future(d, timeout=30)) for d in batch[lo : lo + 64]]
-            for data, f in futures:
-                try:
-                    f.result()
-                    name = "OK"
-                except grpc.RpcError as e:
-                    name = e.code().name
-                    if e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-                        bad.append((data[:40], name, e.details() or ""))
-                codes[name] = codes.get(name, 0) + 1
-    print("fuzz codes:", codes)
+        start = gateway_cpu_s(stack)
+        by_code = send_all(channel, batch)
+        fuzz_ms = (gateway_cpu_s(stack) - start) / 10
+    codes = {k: len(v) for k, v in by_code.items()}
+    print(f"fuzz codes: {codes}; gateway CPU per request: fuzzed {fuzz_ms:.3f} ms, "
+          f"valid {valid_ms:.3f} ms")  # fmt: skip
+    bad = [d[:40] for k in ("INTERNAL", "UNKNOWN") for d in by_code.get(k, [])]
     assert not bad, bad[:5]
     assert codes.get("INVALID_ARGUMENT", 0) > 5000  # the fuzz did reach validation
+    assert fuzz_ms <= 2 * valid_ms + 0.2
     reply = stack.stub.Score(build_request(stack.rows["dense"][:5], stack.rows["sparse"][:5]))
     np.testing.assert_allclose(reply.scores, stack.rows["probs_int8"][:5], atol=1e-6)
     assert gateway_status(stack.target) == "SERVING"
+
+
+def test_crafted_4mb_requests_cost_the_gateway_under_20ms_of_cpu(stack: Stack) -> None:
+    """Issue 24: 2M empty SparseFeature entries (4 MB) cost the gateway 4.6 s of CPU. Each
+    crafted encoding of tests/serving/test_wire.py, through the real gateway: INVALID_ARGUMENT,
+    at most 20 ms of the gateway's CPU each (receiving 4 MB included)."""
+    with grpc.insecure_channel(stack.target, options=[OPTIONS]) as channel:
+        for kind, data in CRAFTED.items():
+            start = gateway_cpu_s(stack)
+            by_code = send_all(channel, [data] * 20)
+            ms = (gateway_cpu_s(stack) - start) / 20 * 1e3
+            print(f"{kind}: {ms:.2f} ms of gateway CPU per request")
+            assert set(by_code) == {"INVALID_ARGUMENT"}, kind
+            assert ms <= 20.0, kind
 
 
 def wait_log(log: Path, text: str, timeout: float = 60) -> str:

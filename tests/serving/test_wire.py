@@ -7,6 +7,9 @@ give the same arrays or the same refusal as protobuf + validation would.
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import numpy as np
 import pytest
 
@@ -130,3 +133,66 @@ def test_unpacked_fields_take_protobuf_path() -> None:
     assert columns_from_bytes(body) is None
     (d, values, lengths), _ = decode_score_request(body, SCHEMA, LIMITS)
     assert values.tolist() == [5, 6] and lengths[0].tolist() == [1, 1] and d.shape == (2, 13)
+
+
+def _cpu_ms(data: bytes) -> float:
+    """Best of three: this thread's CPU time to decode or refuse ``data`` (ms)."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.thread_time()
+        with contextlib.suppress(InvalidRequest):
+            decode_score_request(data, SCHEMA, LIMITS)
+        best = min(best, time.thread_time() - start)
+    return best * 1e3
+
+
+def _valid_request_of(size: int) -> bytes:
+    """A valid request (1,000 examples) whose ids fill about ``size`` bytes."""
+    rng = np.random.default_rng(0)
+    b = LIMITS.max_examples
+    per = max(1, min(LIMITS.max_ids_per_feature, size // (b * 26 * 9)))
+    req = ranker_pb2.ScoreRequest(num_examples=b)
+    req.dense.extend(np.ones(b * 13, np.float32))
+    for name in SCHEMA.sparse:
+        f = req.sparse.add(name=name)
+        f.lengths.extend([per] * b)
+        f.ids.extend(rng.integers(1 << 56, 1 << 62, size=b * per).tolist())
+    return req.SerializeToString()
+
+
+# Issue 24: 2M empty SparseFeature entries cost 4.6 s of CPU in the parser's Python loop. The
+# same trick in every encoding the fast path hands to protobuf: a repeated field, unknown
+# fields, dense values each in a field of their own.
+CRAFTED = {
+    "empty features": b"\x08\x01" + b"\x1a\x00" * 2_000_000,
+    "non-canonical prefix": b"\x08\x01\x08\x01" + b"\x1a\x00" * 2_000_000,
+    "unknown fields": b"\x08\x01" + b"\x28\x01" * 2_000_000,
+    "unpacked dense": b"\x08\x01" + b"\x15\x00\x00\x80\x3f" * 800_000,
+}
+
+
+@pytest.mark.parametrize("kind", CRAFTED)
+def test_crafted_4mb_requests_are_refused_in_20ms_of_cpu(kind: str) -> None:
+    data = CRAFTED[kind]
+    assert 3_900_000 < len(data) <= LIMITS.max_request_bytes
+    with pytest.raises(InvalidRequest):
+        decode_score_request(data, SCHEMA, LIMITS)
+    valid = _valid_request_of(len(data))
+    decode_score_request(valid, SCHEMA, LIMITS)  # valid indeed
+    crafted, legit = _cpu_ms(data), _cpu_ms(valid)
+    print(f"{kind}: {crafted:.2f} ms of CPU; a valid {len(valid)}-byte request {legit:.2f} ms")
+    assert crafted <= 20.0
+    assert crafted <= 3 * legit + 1.0  # bounded by a small multiple of a valid request's cost
+
+
+@pytest.mark.parametrize("extra", [1, 2, 100])
+def test_more_features_than_the_schema_is_refused_on_both_paths(extra: int) -> None:
+    req = ranker_pb2.ScoreRequest(num_examples=1, dense=[0.0] * 13)
+    for name in [*SCHEMA.sparse, *["C99"] * extra]:
+        req.sparse.add(name=name, lengths=[0])
+    canonical = req.SerializeToString()
+    # one too many is named (unknown or repeated); more are refused by their count
+    expect = "unknown feature 'C99'" if extra == 1 else "more than 27 entries"
+    for data in (canonical, b"\x08\x00" + canonical):  # the second is not canonical
+        with pytest.raises(InvalidRequest, match=expect):
+            decode_score_request(data, SCHEMA, LIMITS)
