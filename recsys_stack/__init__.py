@@ -1,3 +1,5 @@
 """Pieces every stage shares: the config mechanism (:mod:`recsys_stack.config`, on top of
-:mod:`recsys_stack.typed`) and free ports (:mod:`recsys_stack.net`), standard library only; and
-log-friendly progress bars (:mod:`recsys_stack.progress`, needs tqdm: training only)."""
+:mod:`recsys_stack.typed`) and free ports (:mod:`recsys_stack.net`), standard library only;
+log-friendly progress bars (:mod:`recsys_stack.progress`, needs tqdm: training only); and the
+one ROC AUC (:mod:`recsys_stack.metrics`, on numpy arrays or torch tensors: it imports only the
+library of what it is given)."""

@@ -22,7 +22,7 @@ MAX_LINES = 400
 # depends on the device, torchrec is installed with --no-deps.
 INSTALLED_BY_MAKE_SETUP = {"fbgemm_gpu", "torchrec"}
 # Imported only inside a TorchServe worker, from the archive's own folder (handler -> codec).
-ARCHIVE_LOCAL = {"codec", "scoring", "torch_codec"}
+ARCHIVE_LOCAL = {"codec", "features", "mapped", "portable_model", "scoring", "torch_codec"}
 
 
 def modules() -> dict[str, Path]:

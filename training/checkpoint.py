@@ -22,7 +22,7 @@ Loading goes through DCP, which reshards onto whatever world size and plan the r
 has. One state TorchRec does not reshard by itself: the row-wise Adagrad accumulator of a
 column-sharded table is stored per column shard (``rows * shards`` values). It is converted
 here through its canonical per-row form (the width-weighted mean over column shards, which is
-exactly the accumulator a full-row table would have).
+exactly the accumulator a full-row table would have), in :mod:`training.rowwise`.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from training import rowwise
 from training.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -243,7 +244,7 @@ def check_complete(path: Path) -> Path:
     return path
 
 
-def _saved_metadata(path: Path) -> dict[str, Any]:
+def saved_metadata(path: Path) -> dict[str, Any]:
     """DCP's per-key metadata of a checkpoint; any read/unpickle failure makes it unusable."""
     try:
         return dict(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
@@ -287,7 +288,7 @@ def load(
     are left freshly initialized and returned so the caller can say so; a missing or
     mismatched *model* tensor is an error.
     """
-    saved = _saved_metadata(path)
+    saved = saved_metadata(path)
     flat, mapping = flatten_state_dict(state)
     direct: dict[str, Any] = {}
     convert: list[str] = []
@@ -302,7 +303,7 @@ def load(
         elif (
             md is not None
             and isinstance(md, TensorStorageMetadata)
-            and _rowwise_table(key, table_rows)
+            and rowwise.rowwise_table(key, table_rows)
         ):
             convert.append(key)
         elif key.startswith("model."):
@@ -315,11 +316,11 @@ def load(
     try:
         dcp.load(direct, checkpoint_id=str(path))
         for key in convert:
-            table = _rowwise_table(key, table_rows)
-            widths = _column_widths(path, table)
+            table = rowwise.rowwise_table(key, table_rows)
+            widths = rowwise.column_widths(path / PLAN, table)
             md = saved[key]
             assert isinstance(md, TensorStorageMetadata)
-            _load_rowwise(path, key, md, flat[key], table_rows[table], widths)
+            rowwise.load_rowwise(path, key, md, flat[key], table_rows[table], widths)
     except CheckpointError:
         raise
     except Exception as e:
@@ -335,56 +336,12 @@ def _size(value: Any) -> torch.Size | None:
     return None
 
 
-def _rowwise_table(key: str, table_rows: dict[str, int]) -> str:
-    """Table name if ``key`` is a row-wise optimizer state (``...<table>.momentum1``)."""
-    if not key.startswith("optim.") or not key.endswith(".momentum1"):
-        return ""
-    table = key.rsplit(".", 2)[-2]
-    return table if table in table_rows else ""
-
-
-def _column_widths(path: Path, table: str) -> list[int]:
-    """Column-shard widths of ``table`` in the saved plan, by column offset ([] if unknown)."""
-    try:
-        plan = json.loads((path / PLAN).read_text())
-    except (OSError, json.JSONDecodeError):
-        return []
-    for row in plan:
-        if row.get("table") == table:
-            shards = sorted(row.get("shards", []), key=lambda s: s["offsets"][1])
-            return [int(s["sizes"][1]) for s in shards]
-    return []
-
-
-def _load_rowwise(
-    path: Path, key: str, md: TensorStorageMetadata, target: Any, rows: int, widths: list[int]
-) -> None:
-    """Saved ``[rows * k]`` accumulator -> canonical ``[rows]`` -> target ``[rows * k']``.
-
-    Each column shard's accumulator is the running sum of ``mean(g^2)`` over its own columns,
-    so the full-row value is the mean over shards weighted by shard width.
-    """
-    if md.size[0] % rows or (_size(target) or torch.Size([0]))[0] % rows:
-        raise CheckpointError(f"checkpoint {path}: '{key}' has {md.size[0]} values for {rows} rows")
-    full = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp.load({key: full}, checkpoint_id=str(path))
-    per_shard = full.view(-1, rows)
-    k = per_shard.shape[0]
-    w = torch.tensor(widths if len(widths) == k else [1] * k, dtype=per_shard.dtype)
-    canonical = (per_shard * (w / w.sum())[:, None]).sum(dim=0)
-    shards = (
-        [s.tensor for s in target.local_shards()] if isinstance(target, ShardedTensor) else [target]
-    )
-    for t in shards:
-        t.copy_(canonical.repeat(t.numel() // rows))
-
-
 def read_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint whose key starts with ``prefix``, whole, in this process.
 
     For inspection and tests (no process group needed); export loads through the model.
     """
-    saved = _saved_metadata(path)
+    saved = saved_metadata(path)
     out = {
         k: torch.empty(md.size, dtype=md.properties.dtype)
         for k, md in saved.items()

@@ -19,7 +19,7 @@ import torch
 from torchrec import KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 
-from training.features import SPARSE_NAMES, dense_transform
+from training.features import SPARSE_NAMES, dense_transform, hash_values, pack_ids
 
 
 @dataclass
@@ -56,17 +56,16 @@ class ModelBatch:
 def make_batch(arrays: Arrays, idx: np.ndarray, rows_per_table: np.ndarray) -> ModelBatch:
     """Gather rows ``idx`` into a torchrec Batch: transformed dense, hashed ids in a KJT.
 
-    Missing ids (-1) become zero-length bags, so each feature has 0 or 1 id per example.
+    The transforms are the artifact's own (``training.features``). Missing ids (-1) become
+    zero-length bags, so each feature has 0 or 1 id per example.
     """
     labels = torch.from_numpy(arrays.labels[idx].astype(np.float32))
     dense = dense_transform(torch.from_numpy(np.ascontiguousarray(arrays.dense[idx])))
-    ids = np.ascontiguousarray(arrays.sparse[idx].T)  # [F, B], feature-major like a KJT
-    present = ids >= 0
-    values = np.remainder(ids, rows_per_table[:, None])[present]
+    values, lengths = pack_ids(torch.from_numpy(np.ascontiguousarray(arrays.sparse[idx])))
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=SPARSE_NAMES,
-        values=torch.from_numpy(values),
-        lengths=torch.from_numpy(present.reshape(-1).astype(np.int32)),
+        values=hash_values(values, lengths, torch.as_tensor(rows_per_table, dtype=torch.int64)),
+        lengths=lengths.reshape(-1),
     )
     prob = None if arrays.prob is None else torch.from_numpy(arrays.prob[idx].astype(np.float32))
     return ModelBatch(

@@ -2,6 +2,13 @@
 
 Keeping the step in one place means the benchmark's "trainer" row measures exactly what the
 trainer runs: the TorchRec pipeline step, the data position, the loss check, the loss log.
+
+The step never waits for the device: each step's loss stays a device tensor in the
+:class:`Window` until a logging step (every ``train.log_every``), an evaluation or a checkpoint
+reads the pending ones in one transfer (as torchtitan syncs only when it logs), so a GPU runs
+ahead of Python instead of draining its queue every step. The values read, their sums and the
+finiteness check (with the exact step of the first bad loss) are the same as reading each
+loss at its own step.
 """
 
 from __future__ import annotations
@@ -32,15 +39,50 @@ def mean_over_ranks(value: float) -> float:
 
 @dataclass
 class Window:
-    """Samples, loss and training time since the last evaluation."""
+    """Samples, loss and training time since the last evaluation.
+
+    Losses are added as device tensors (:meth:`add_loss`, no sync) and read off the device
+    together by :meth:`flush`, which ``loss_sum`` calls: every reader sees them all.
+    """
 
     start: float = field(default_factory=time.perf_counter)
     samples: int = 0
-    loss_sum: float = 0.0
     steps: int = 0
+    _loss_sum: float = 0.0
+    _pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (step, loss)
+
+    @property
+    def loss_sum(self) -> float:
+        """Sum of the window's step losses (reads the pending ones off the device)."""
+        self.flush()
+        return self._loss_sum
+
+    def add_loss(self, step: int, loss: torch.Tensor) -> None:
+        """Record ``step``'s loss (a scalar tensor, on any device) without reading it."""
+        self._pending.append((step, loss.detach()))
+        self.steps += 1
+
+    def flush(self) -> float | None:
+        """Read the pending losses in one device-to-host copy, check they are finite, add them
+        to the sum in step order; returns the latest loss (None when nothing was pending).
+
+        Raises DataError naming the first step whose loss is NaN or infinite."""
+        if not self._pending:
+            return None
+        values = torch.stack([loss for _, loss in self._pending]).cpu().tolist()
+        steps = [step for step, _ in self._pending]
+        self._pending.clear()
+        for step, value in zip(steps, values, strict=True):
+            if not math.isfinite(value):
+                raise DataError(
+                    f"training loss became {value} at step {step}; lower the learning rates"
+                )
+            self._loss_sum += value
+        return float(values[-1])
 
     def reset(self) -> None:
-        self.start, self.samples, self.loss_sum, self.steps = time.perf_counter(), 0, 0.0, 0
+        self.flush()  # the check covers every step, even one no reader looked at
+        self.start, self.samples, self._loss_sum, self.steps = time.perf_counter(), 0, 0.0, 0
 
     def exclude(self, seconds: float) -> None:
         """Time spent outside training (a checkpoint save) does not count."""
@@ -97,17 +139,13 @@ class TrainLoop:
         p.rows_in_epoch += g
         if p.rows_in_epoch + g > self.train_rows:  # the stream drops the partial last batch
             p.epoch, p.rows_in_epoch = p.epoch + 1, 0
-        value = float(loss.item())
-        if not math.isfinite(value):
-            raise DataError(
-                f"training loss became {value} at step {p.step}; lower the learning rates"
-            )
+        self.window.add_loss(p.step, loss)  # no device sync here (see the module docstring)
         self.window.samples += g
-        self.window.loss_sum += value
-        self.window.steps += 1
         if self.bar is not None:
             self.bar.update(1)
         if p.step % self.log_every == 0 or p.step == self.total:
+            value = self.window.flush()  # the one sync: this step's loss and the ones before it
+            assert value is not None
             mean_loss = mean_over_ranks(value)
             self.loss_log.write({"step": p.step, "loss": mean_loss})
             if self.bar is not None:

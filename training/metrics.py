@@ -1,4 +1,7 @@
-"""Evaluation metrics (TorchRec's AUC and NE, synced across ranks) and the metrics.jsonl log."""
+"""Evaluation metrics (AUC, TorchRec's NE, over all ranks) and the metrics.jsonl log.
+
+The AUC is :func:`recsys_stack.metrics.roc_auc`, the one the export's parity check and the
+served model's evaluation report, computed on the predictions of every rank gathered."""
 
 from __future__ import annotations
 
@@ -8,9 +11,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchrec.metrics.auc import AUCMetric
 from torchrec.metrics.metrics_config import RecComputeMode, RecTaskInfo
 from torchrec.metrics.ne import NEMetric
+
+from recsys_stack.metrics import roc_auc
 
 TASK = RecTaskInfo(
     name="ctr", label_name="label", prediction_name="prediction", weight_name="weight"
@@ -21,7 +25,8 @@ class EvalMetrics:
     """Lifetime AUC and NE of one evaluation pass, plus the oracle AUC when true probs are known.
 
     Every rank updates with its own slice; ``compute()`` gathers across the process group, so
-    all ranks must call it. Padding rows carry weight 0 and do not count.
+    all ranks must call it. Padding rows carry weight 0 and do not count. The AUC needs every
+    prediction (a rank sum), so each rank keeps its own (16 bytes a row at most) until then.
     """
 
     def __init__(self, batch_size: int, with_oracle: bool) -> None:
@@ -36,10 +41,9 @@ class EvalMetrics:
             window_size=1 << 30,
             compute_on_all_ranks=True,
         )
-        self._auc = AUCMetric(**kw)
         self._ne = NEMetric(**kw)
-        self._oracle = AUCMetric(**kw) if with_oracle else None
-        self.rows = 0
+        self.with_oracle = with_oracle
+        self._rows: list[torch.Tensor] = []  # per batch: [probs, labels, weights(, oracle)]
 
     def update(
         self,
@@ -50,28 +54,32 @@ class EvalMetrics:
     ) -> None:
         """``probs``, ``labels``, ``weights``, ``oracle_probs``: float32[B]."""
         p, y, w = {"ctr": probs}, {"ctr": labels}, {"ctr": weights}
-        self._auc.update(predictions=p, labels=y, weights=w)
         self._ne.update(predictions=p, labels=y, weights=w)
-        if self._oracle is not None and oracle_probs is not None:
-            self._oracle.update(predictions={"ctr": oracle_probs}, labels=y, weights=w)
-        self.rows += int(weights.sum().item())
+        columns = [probs, labels, weights]
+        if self.with_oracle:
+            if oracle_probs is None:
+                raise ValueError("EvalMetrics(with_oracle=True) needs oracle_probs")
+            columns.append(oracle_probs)
+        self._rows.append(torch.stack([c.detach().float().cpu().reshape(-1) for c in columns]))
 
     def compute(self) -> dict[str, float]:
-        out = {
-            "auc": _lifetime(self._auc.compute(), "auc"),
-            "ne": _lifetime(self._ne.compute(), "ne"),
-        }
-        if self._oracle is not None:
-            out["oracle_auc"] = _lifetime(self._oracle.compute(), "auc")
-        rows = torch.tensor([self.rows], dtype=torch.int64)
+        local = torch.cat(self._rows, dim=1) if self._rows else torch.zeros(3 + self.with_oracle, 0)
+        parts: list[Any] = [local]
         if dist.is_initialized():
-            dist.all_reduce(rows)
-        out["eval_rows"] = int(rows.item())
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, local)
+        table = torch.cat(parts, dim=1)
+        real = table[2] > 0
+        labels = table[1][real]
+        out = {"auc": roc_auc(labels, table[0][real]), "ne": _lifetime(self._ne.compute(), "ne")}
+        if self.with_oracle:
+            out["oracle_auc"] = roc_auc(labels, table[3][real])
+        out["eval_rows"] = int(real.sum())
         return out
 
 
 def _lifetime(result: dict[str, torch.Tensor], name: str) -> float:
-    # TorchRec's AUC only reports a window value; the window (2^30 rows) spans the whole pass.
+    # Some TorchRec metrics only report a window value; the window (2^30 rows) spans the pass.
     for kind in ("lifetime", "window"):
         key = f"{name}-ctr|{kind}_{name}"
         if key in result:

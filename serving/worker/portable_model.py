@@ -6,7 +6,8 @@ ONNX. Only ``torch`` is imported here, so a machine with a CUDA torch and nothin
 fbgemm wheel pinned to its torch) can rebuild, load and check the model
 (``python -m serving.tools.gpu_check``).
 
-Same signature and preprocessing as the TorchRec scorer (``training/export/scorer.py``):
+Same signature and preprocessing as the TorchRec scorer (``training/export/scorer.py``): the
+very functions of :mod:`serving.worker.features`, which training's loader calls too.
 
 * ``dense``   float32[B, 13]  raw values (missing = 0) -> ``log1p(max(x, 0))``
 * ``values``  int64[N]        raw ids, grouped by feature (schema order), then by example
@@ -29,6 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+try:  # inside a TorchServe worker the archive's files sit side by side
+    from features import dense_transform, hash_ids, hash_values  # type: ignore[import-not-found]
+except ImportError:
+    from serving.worker.features import dense_transform, hash_ids, hash_values
 
 BAG_MODES = ("embedding_bag", "scatter")
 
@@ -62,7 +68,8 @@ class PortableScorer(nn.Module):
         for r in rows[:-1]:
             starts.append(starts[-1] + r)
         self.register_buffer("row_offsets", torch.tensor(starts, dtype=torch.int64))
-        self.weight = nn.Parameter(torch.zeros(sum(rows), dim), requires_grad=False)
+        # empty, not zeros: a skeleton whose tables are filled or mapped later touches no page
+        self.weight = nn.Parameter(torch.empty(sum(rows), dim), requires_grad=False)
         sizes = [int(spec["num_dense"]), *spec["dense_arch"]]
         self.dense = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(sizes))
         feats = len(rows) + 1
@@ -92,22 +99,20 @@ class PortableScorer(nn.Module):
             marks = marks.index_add(0, ends, torch.ones_like(ends))
             bag = torch.cumsum(marks, 0)[:n]
             feature = torch.div(bag, batch, rounding_mode="floor")
-            ids = torch.remainder(values, self.rows[feature]) + self.row_offsets[feature]
+            ids = hash_ids(values, self.rows[feature]) + self.row_offsets[feature]
             rows = self.weight[ids]
             out = torch.zeros(lens.shape[0], self.dim, dtype=rows.dtype, device=rows.device)
             out = out.index_add(0, bag, rows)
         else:
-            per_feature = lengths.to(torch.int64).sum(dim=1)
-            modulus = torch.repeat_interleave(self.rows, per_feature)
-            base = torch.repeat_interleave(self.row_offsets, per_feature)
-            ids = torch.remainder(values, modulus) + base
+            base = torch.repeat_interleave(self.row_offsets, lengths.to(torch.int64).sum(dim=1))
+            ids = hash_values(values, lengths, self.rows) + base
             out = F.embedding_bag(ids, self.weight, ends - lens, mode="sum")
         return out.reshape(self.num_features, batch, self.dim).transpose(0, 1)
 
     def forward(
         self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor
     ) -> torch.Tensor:
-        x = torch.log1p(torch.clamp(dense, min=0.0)).to(self.weight.dtype)
+        x = dense_transform(dense).to(self.weight.dtype)
         for layer in self.dense:
             x = torch.relu(layer(x))
         combined = torch.cat((x.unsqueeze(1), self.pooled(values, lengths)), dim=1)  # [B,F+1,E]

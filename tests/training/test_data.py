@@ -1,4 +1,4 @@
-"""Tests of training.data: the Criteo reader, synthetic data, binary shards and roc_auc.
+"""Tests of training.data: the Criteo reader, synthetic data, binary shards.
 
 ``tests/data/criteo_edge_cases.tsv`` (shipped; trainer tests train on it) holds 10 lines,
 no trailing newline, 9 well-formed rows and 1 malformed one. The base id list leaves C22 empty.
@@ -21,7 +21,6 @@ line  label  what it exercises
 
 from __future__ import annotations
 
-import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -29,10 +28,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from recsys_stack.metrics import roc_auc
 from training.data import binary, synthetic
 from training.data.binary import ensure_binary, load_binary, preprocess
 from training.data.criteo import CriteoChunk, ParseReport, read_criteo, resolve_data_paths
-from training.data.stats import roc_auc
 from training.data.synthetic import SyntheticSpec, generate, prob_sidecar
 from training.errors import DataError
 from training.features import MISSING_ID
@@ -377,26 +376,3 @@ def test_binary_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert binary.main([str(EDGE), "--out", str(tmp_path / "c"), "--on-bad", "fail"]) == 2
     assert "column C7: 'zz12' is not hex" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
-
-
-# ----------------------------------------------------------------------------- roc_auc
-
-
-def _auc_brute(labels: np.ndarray, scores: np.ndarray) -> float:
-    pos, neg = scores[labels == 1], scores[labels == 0]
-    wins = sum((p > n) + 0.5 * (p == n) for p, n in itertools.product(pos, neg))
-    return wins / (len(pos) * len(neg))
-
-
-def test_roc_auc_matches_brute_force() -> None:
-    rng = np.random.default_rng(0)
-    for n in (2, 5, 17, 60):
-        labels = rng.integers(0, 2, n)
-        labels[:2] = [0, 1]
-        scores = rng.integers(0, 4, n).astype(np.float32)  # many ties
-        assert roc_auc(labels, scores) == pytest.approx(_auc_brute(labels, scores))
-    assert roc_auc(np.array([0, 0, 1, 1]), np.array([0.1, 0.2, 0.3, 0.4])) == 1.0
-    assert roc_auc(np.array([1, 1, 0, 0]), np.array([0.1, 0.2, 0.3, 0.4])) == 0.0
-    assert roc_auc(np.array([0, 1]), np.array([0.5, 0.5])) == 0.5
-    with pytest.raises(ValueError, match="one positive and one negative"):
-        roc_auc(np.ones(3), np.zeros(3))

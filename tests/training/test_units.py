@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata
 
-from training import checkpoint
+from training import checkpoint, rowwise
 from training.config import load_config, parse_args
 from training.errors import CheckpointError, ConfigError
 from training.features import MISSING_ID, NUM_DENSE, NUM_SPARSE, dense_transform, hash_ids
@@ -100,7 +101,7 @@ def test_transforms() -> None:
         dense_transform(x), torch.tensor([[0.0, 0.0, float(np.log(2.0)), float(np.log1p(1e6))]])
     )
     ids = torch.tensor([0, 5, 2**40 + 3], dtype=torch.int64)
-    assert hash_ids(ids, 4).tolist() == [0, 1, 3]
+    assert hash_ids(ids, torch.tensor(4)).tolist() == [0, 1, 3]
 
 
 def test_make_batch_builds_feature_major_kjt_with_missing_as_empty() -> None:
@@ -232,7 +233,62 @@ def test_rowwise_accumulator_conversion_is_the_width_weighted_mean(tmp_path: Pat
     dcp.save({key: saved}, checkpoint_id=str(tmp_path), no_dist=True)
     md = dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata[key]
     target = torch.zeros(2 * rows)  # resumed with 2 column shards
-    checkpoint._load_rowwise(tmp_path, key, md, target, rows, widths=[8, 4, 4])  # type: ignore[arg-type]
+    rowwise.load_rowwise(tmp_path, key, md, target, rows, widths=[8, 4, 4])  # type: ignore[arg-type]
     per = saved.view(3, rows)
     canonical = per[0] * 0.5 + per[1] * 0.25 + per[2] * 0.25
     assert torch.allclose(target, canonical.repeat(2))
+
+
+class _LocalShards:
+    """What a ShardedTensor shows of itself to the conversion: this rank's shards, the size."""
+
+    def __init__(self, size: int, shards: list[Shard]) -> None:
+        self.shards, self.global_size = shards, torch.Size([size])
+
+    def local_shards(self) -> list[Shard]:
+        return self.shards
+
+    def size(self) -> torch.Size:
+        return self.global_size
+
+
+def _shard(offset: int, size: int) -> Shard:
+    return Shard(torch.full((size,), -1.0), ShardMetadata([offset], [size], "rank:0/cpu"))
+
+
+def test_rowwise_accumulator_resumes_onto_row_wise_shards(tmp_path: Path) -> None:
+    """Saved column-wise (3 shards), resumed row-wise (TorchRec's GPU plan; the planner does
+    not make it on CPU, so the shard metadata is built by hand): each row-range shard gets its
+    own rows of the canonical accumulator, at its offset."""
+    rows = 10
+    key = "optim.state.x.t_C1.weight.t_C1.momentum1"
+    saved = torch.rand(3 * rows)
+    dcp.save({key: saved}, checkpoint_id=str(tmp_path), no_dist=True)
+    md = dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata[key]
+    per = saved.view(3, rows)
+    canonical = per[0] * 0.5 + per[1] * 0.25 + per[2] * 0.25
+    # 4-way row-wise [0:3) [3:6) [6:8) [8:10): this rank holds the 2nd and the 4th
+    target = _LocalShards(rows, [_shard(3, 3), _shard(8, 2)])
+    rowwise.load_rowwise(tmp_path, key, md, target, rows, widths=[8, 4, 4])  # type: ignore[arg-type]
+    assert torch.allclose(target.shards[0].tensor, canonical[3:6])
+    assert torch.allclose(target.shards[1].tensor, canonical[8:10])
+    # column-wise again, 2 blocks of `rows`: this rank holds the second block
+    target = _LocalShards(2 * rows, [_shard(rows, rows)])
+    rowwise.load_rowwise(tmp_path, key, md, target, rows, widths=[8, 4, 4])  # type: ignore[arg-type]
+    assert torch.allclose(target.shards[0].tensor, canonical)
+    # table-wise: one shard of all rows on this rank
+    target = _LocalShards(rows, [_shard(0, rows)])
+    rowwise.load_rowwise(tmp_path, key, md, target, rows, widths=[8, 4, 4])  # type: ignore[arg-type]
+    assert torch.allclose(target.shards[0].tensor, canonical)
+
+
+def test_fill_rowwise_places_every_layout_by_offset() -> None:
+    canonical = torch.arange(6.0)
+    parts = [(0, torch.zeros(4)), (4, torch.zeros(2)), (6, torch.zeros(6)), (9, torch.zeros(3))]
+    rowwise.fill_rowwise(canonical, parts)
+    assert [t.tolist() for _, t in parts] == [
+        [0, 1, 2, 3],  # row range [0, 4)
+        [4, 5],  # row range [4, 6)
+        [0, 1, 2, 3, 4, 5],  # the second column shard's block
+        [3, 4, 5],  # any slice of [rows * k'] maps position g to row g mod rows
+    ]

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from recsys_stack.metrics import roc_auc
 from recsys_stack.progress import progress as progress_bar
-from training.data.stats import roc_auc
-from training.features import NUM_DENSE, NUM_SPARSE
+from training.features import NUM_DENSE, NUM_SPARSE, dense_transform
 
 log = logging.getLogger(__name__)
 
@@ -165,11 +166,16 @@ def build_model(spec: SyntheticSpec) -> PlantedModel:
         rng.normal(0.0, spec.dense_scale, NUM_DENSE),
     )
     sample = sample_block(model, spec, np.random.default_rng([spec.seed, 1]), _CALIBRATION_ROWS)
-    z = np.log1p(np.maximum(sample.dense, 0))
+    z = _model_input(sample.dense)
     model.dense_mean, model.dense_std = z.mean(axis=0), z.std(axis=0) + 1e-6
     logits = _logits(model, spec, sample.ranks, sample.dense)
     model.bias = _calibrate_bias(logits, spec.target_ctr)
     return model
+
+
+def _model_input(dense: np.ndarray) -> np.ndarray:
+    """Raw ints ``[N, D]`` -> what the model sees (``features.dense_transform``), ``float64``."""
+    return dense_transform(torch.from_numpy(np.asarray(dense, dtype=np.float64))).numpy()
 
 
 def _calibrate_bias(logits: np.ndarray, target: float) -> float:
@@ -193,7 +199,7 @@ def _logits(
         out += model.effects[f][ranks[:, f]]
     a, b = spec.interaction_features
     out += np.einsum("nr,nr->n", model.u[ranks[:, a]], model.v[ranks[:, b]])
-    z = (np.log1p(np.maximum(dense, 0)) - model.dense_mean) / model.dense_std
+    z = (_model_input(dense) - model.dense_mean) / model.dense_std
     return out + z @ model.dense_coef
 
 

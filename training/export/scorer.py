@@ -1,9 +1,9 @@
 """The served artifact: raw features in, click probabilities out, as one TorchScript module.
 
 ``Scorer`` wraps the pure DLRM with everything between raw features and a probability: the
-dense transform, id hashing (``id mod rows`` per table), the model and the sigmoid (the same
-functions as ``training.features``, written here in TorchScript-friendly form). Its inputs are
-plain tensors, so serving needs only ``torch`` and ``import fbgemm_gpu``:
+dense transform, id hashing (``id mod rows`` per table), the model and the sigmoid. The
+transforms are ``training.features``' (the training loader's), scripted into the artifact. Its
+inputs are plain tensors, so serving needs only ``torch`` and ``import fbgemm_gpu``:
 
 * ``dense``   float32[B, 13]  raw Criteo integer values (missing = 0)
 * ``values``  int64[N]        raw ids, grouped by feature in schema order, then by example
@@ -28,7 +28,7 @@ from torchrec.models.dlrm import DLRM
 from training import checkpoint
 from training.config import Config, config_from_dict
 from training.errors import CheckpointError, ConfigError
-from training.features import SPARSE_NAMES
+from training.features import SPARSE_NAMES, dense_transform, hash_values, pack_ids
 from training.model import build_dlrm
 
 Variant = Literal["fp32", "int8", "fp16"]
@@ -48,23 +48,27 @@ class Scorer(nn.Module):
     def forward(
         self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor
     ) -> torch.Tensor:
-        x = torch.log1p(torch.clamp(dense, min=0.0))  # = training.features.dense_transform
-        modulus = torch.repeat_interleave(self.rows, lengths.sum(dim=1))  # type: ignore[arg-type]
-        ids = torch.remainder(values, modulus)  # = training.features.hash_ids, per feature
+        ids = hash_values(values, lengths, self.rows)  # type: ignore[arg-type]
         kjt = KeyedJaggedTensor(
             keys=self.keys, values=ids, lengths=lengths.reshape(-1).to(torch.int32)
         )
-        return torch.sigmoid(self.dlrm(x, kjt)).squeeze(-1)
+        return torch.sigmoid(self.dlrm(dense_transform(dense), kjt)).squeeze(-1)
 
 
-def load_dlrm(ckpt: Path) -> tuple[DLRM, Config, dict[str, Any]]:
-    """The pure DLRM of a (sharded, any world size) checkpoint, whole, on CPU, in eval mode."""
+def load_config(ckpt: Path) -> tuple[Config, dict[str, Any]]:
+    """A complete checkpoint's training config and meta (no tensor is read)."""
     meta = checkpoint.read_meta(checkpoint.check_complete(ckpt))
     try:
         cfg = config_from_dict(meta["config"])
         cfg.validate()
     except (KeyError, ConfigError) as e:
         raise CheckpointError(f"{ckpt / checkpoint.META}: no usable config ({e})") from None
+    return cfg, meta
+
+
+def load_dlrm(ckpt: Path) -> tuple[DLRM, Config, dict[str, Any]]:
+    """The pure DLRM of a (sharded, any world size) checkpoint, whole, on CPU, in eval mode."""
+    cfg, meta = load_config(ckpt)
     model = build_dlrm(cfg.model, device="cpu")
     tensors = checkpoint.read_tensors(ckpt, prefix=CHECKPOINT_PREFIX)
     state = {k[len(CHECKPOINT_PREFIX) :]: v for k, v in tensors.items()}
@@ -131,10 +135,5 @@ def resolve_checkpoint(run_dir: Path | None, ckpt: Path | None) -> Path:
 def raw_inputs(dense: Any, sparse: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows as stored (``float32[B,13]`` raw dense, ``int64[B,26]`` raw ids, -1 = missing) ->
     the artifact's ``(dense, values, lengths)``; what a client does with parsed TSV rows."""
-    ids = torch.from_numpy(np.array(sparse, dtype=np.int64)).t()  # [F, B]; copies mmap slices
-    present = ids >= 0
-    return (
-        torch.from_numpy(np.array(dense, dtype=np.float32)),
-        ids[present].contiguous(),  # feature-major, like a KJT
-        present.to(torch.int32).contiguous(),
-    )
+    values, lengths = pack_ids(torch.from_numpy(np.array(sparse, dtype=np.int64)))  # copies mmap
+    return torch.from_numpy(np.array(dense, dtype=np.float32)), values, lengths
