@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,21 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra or {})
     return env
+
+
+# What third-party noise looks like on a terminal: Python warnings (``file:line: XWarning:``
+# and the ``warnings.warn(`` source line under them), torch's glog-style ``W1201 14:31:40`` lines,
+# fbgemm's library loading, and any logging record from a library's logger.
+_NOISE = re.compile(
+    r"\w+Warning: |^\s*warnings\.warn\(|^[WE]\d{4} \d\d:\d\d|Successfully loaded|"
+    r" (WARNING|INFO) (torch|torchrec|fbgemm_gpu|onnx_ir|onnxscript)[.:]"
+)
+
+
+def third_party_noise(output: str) -> list[str]:
+    """The lines of a command's output that are third-party warnings (see recsys_stack/logs.py
+    for what is silenced and why)."""
+    return [line for line in output.splitlines() if _NOISE.search(line)]
 
 
 def run_train(
@@ -89,4 +105,30 @@ def trained(tmp_path_factory: pytest.TempPathFactory, data_dirs: list[str]) -> P
 def exported(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     store = tmp_path_factory.mktemp("store")
     proc = run_export(["--run-dir", str(trained), "--model-store", str(store), "--version", "1.0"])
+    assert not third_party_noise(proc.stdout + proc.stderr), third_party_noise(proc.stderr)[:10]
     return trained / "export", store, proc.stdout
+
+
+# The formats the portable tests ask for besides the default's: without fp16, so the portable
+# TorchScript pair is what CUDA workers load and the .mar carries it beside the int8 tables.
+PORTABLE_FORMATS = '["int8", "fp32", "portable", "pt2", "onnx"]'
+
+
+@pytest.fixture(scope="session")
+def exported_portable(
+    trained: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path, str]:
+    """Like ``exported``, of a copy of the run, with the portable formats asked for
+    (``--formats``): TorchScript fp32/fp16 + ``portable_state.pt``, the pt2 program, ONNX."""
+    import shutil
+
+    base = tmp_path_factory.mktemp("portable")
+    run = base / "run"  # a copy: exporting writes <run>/export, which ``exported`` reads
+    shutil.copytree(trained, run, ignore=shutil.ignore_patterns("export", ".export*"))
+    store = base / "store"
+    proc = run_export(
+        ["--run-dir", str(run), "--model-store", str(store), "--version", "1.0",
+         "--formats", PORTABLE_FORMATS]
+    )  # fmt: skip
+    assert not third_party_noise(proc.stdout + proc.stderr), third_party_noise(proc.stderr)[:10]
+    return run / "export", store, proc.stdout

@@ -5,8 +5,9 @@
 * **trainer**: the full training path: ``TrainStream`` reads the binary shards and builds each
   KJT, the configured TorchRec train pipeline (``make_pipeline``) runs DMP with the embedding
   optimizer fused into backward, and the loop does what ``train()``'s loop does per step
-  (``float(loss.item())``, the finiteness check, the loss window) and every ``log_every`` steps
-  (the all-reduced mean loss, a ``train_loss.jsonl`` record, the progress-bar rate).
+  (the loss kept on the device in the loss window) and every ``log_every`` steps (the losses
+  read in one sync and checked, the all-reduced mean loss, a ``train_loss.jsonl`` record, the
+  progress-bar rate).
 * **ceiling**: a second trainer built from the same config, stepped by hand on batches built
   once in memory with ``make_batch``: ``zero_grad; loss = model(batch); backward; step``.
 * **plain**: 26 ``nn.EmbeddingBag(sparse=True)`` tables, the same MLPs and DLRM dot
@@ -41,13 +42,14 @@ import torch
 import torch.distributed as dist
 
 from recsys_stack import config as shared
+from recsys_stack import logs
 from recsys_stack.progress import progress as progress_bar
 from training.bench_steppers import CeilingStepper, PlainStepper, TrainerStepper
 from training.config import Config, load_config, table_keys_help
 from training.data_prep import prepare_data
 from training.errors import ConfigError, DataError, RecsysError
 from training.loader import make_batch
-from training.train import configure_logging, setup_distributed
+from training.train import setup_distributed
 
 logger = logging.getLogger("training.bench")
 
@@ -226,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
             "(world size 1, gloo on CPU), round-robin over --repeats rounds (median reported): "
             "(1) trainer: batches read from the binary shards by TrainStream (KJT building "
             "included) through the configured TorchRec train pipeline, DMP with the fused "
-            "embedding optimizer, loss.item() and the periodic logging of the real loop; "
+            "embedding optimizer, the loss window and the periodic logging of the real loop; "
             "(2) ceiling: the raw DMP step (zero_grad, forward, backward, step) of a second "
             "trainer on batches prebuilt in memory; (3) plain: 26 nn.EmbeddingBag(sparse=True) "
             "tables with the same MLPs and dot interaction, torch.optim.Adagrad, on the same "
@@ -322,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    configure_logging(0, verbose=os.environ.get("RECSYS_VERBOSE", "") not in ("", "0"))
+    logs.configure()
     args = build_parser().parse_intermixed_args(argv)
     try:
         result = run_bench(args)

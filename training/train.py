@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import sys
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recsys_stack import logs
 from recsys_stack.net import free_ports
 from recsys_stack.progress import progress as progress_bar
 from training import checkpoint
@@ -158,6 +157,7 @@ def run_schedule(
             evaluator.evaluate(model, progress, loop.window, final=at_end)
             loop.window.reset()
         if checkpointer.should_save(progress.step, at_end):
+            loop.window.flush()  # a NaN loss since the last log stops training before the save
             with loop.window.excluded():
                 checkpointer.save(evaluator.last)
     loop.bar.close()
@@ -210,32 +210,15 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
     return evaluator.last
 
 
-_LIBRARIES = re.compile(r"[/\\](torch|torchrec|fbgemm_gpu)[/\\]")
-
-
-def _quiet_libraries(record: logging.LogRecord) -> bool:
-    """Drop library records below ERROR (TorchRec logs per table and per rank, some via root)."""
-    return record.levelno >= logging.ERROR or not _LIBRARIES.search(record.pathname)
-
-
 def configure_logging(rank: int, verbose: bool) -> None:
-    """Our INFO logs on rank 0; the libraries' warnings (many per rank and step) only if verbose."""
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,  # torchrec configures the root logger at import
-    )
-    if not verbose:
-        for handler in logging.getLogger().handlers:
-            handler.addFilter(_quiet_libraries)
-        logging.getLogger("torch").setLevel(logging.ERROR)  # torch._logging has its own handler
-        warnings.filterwarnings("ignore", module=r"(torch|torchrec|fbgemm_gpu)(\.|$)")
+    """Our INFO logs on rank 0, WARNING on the others; the libraries' noise only if verbose
+    (the one list of what is silenced: :mod:`recsys_stack.logs`)."""
+    logs.configure(logging.INFO if rank == 0 else logging.WARNING, verbose=verbose)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
-    configure_logging(rank, verbose=os.environ.get("RECSYS_VERBOSE", "") not in ("", "0"))
+    configure_logging(rank, verbose=logs.verbose_requested())
     try:
         args = parse_args(argv)
         if args.prepare_only:

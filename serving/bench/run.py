@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from recsys_stack import logs
 from recsys_stack.config import ConfigError, parse, to_dict
 from recsys_stack.progress import progress
 from serving.bench import methods as m
@@ -188,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logs.configure(fmt="%(message)s")
     previous = signal.signal(signal.SIGTERM, _sigterm)
     work = Path(tempfile.mkdtemp(prefix="srvbench-", dir="/tmp"))  # short: TorchServe's sockets
     try:

@@ -20,6 +20,7 @@ from serving.bench.measure import Cell
 from serving.bench.model import Model, payload
 from serving.bench.plain_handler import PlainHandler
 from serving.bench.report import results, table
+from tests.conftest import third_party_noise
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,6 +67,7 @@ def test_a_tiny_run_measures_every_method_at_every_cell(
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not third_party_noise(proc.stdout + proc.stderr), third_party_noise(proc.stderr)[:10]
     doc = json.loads(out.read_text())
     got = {(r["method"], r["examples"], r["concurrency"]): r for r in doc["results"]}
     want = {

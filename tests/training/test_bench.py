@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import ROOT, _env
+from tests.conftest import ROOT, _env, third_party_noise
 from training.bench import METHODS
 from training.bench_steppers import PlainDLRM, _plain_inputs
 from training.config import load_config
@@ -79,6 +79,7 @@ def test_tiny_bench_writes_three_methods_and_ratios(tmp_path: Path) -> None:
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert not third_party_noise(proc.stdout + proc.stderr), third_party_noise(proc.stderr)[:10]
     assert "trainer / ceiling = " in proc.stdout and "trainer / plain PyTorch = " in proc.stdout
 
     result = json.loads(out.read_text())

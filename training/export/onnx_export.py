@@ -23,8 +23,6 @@ def export_onnx(scorer: PortableScorer, example: tuple[torch.Tensor, ...], path:
     twin = from_state(to_state(scorer), bags="scatter")
     batch, ids = torch.export.Dim("batch", min=1), torch.export.Dim("ids", min=0)
     shapes = {"dense": {0: batch}, "values": {0: ids}, "lengths": {1: batch}}
-    for name in ("torch.onnx", "onnx_ir", "onnxscript"):  # their INFO is per-pass chatter
-        logging.getLogger(name).setLevel(logging.WARNING)
     program = torch.onnx.export(
         twin,
         example,
