@@ -13,7 +13,7 @@ NPROC ?= 2
 DATA ?=
 ARGS ?=
 PYTEST_ARGS ?=
-QUANT ?= int8
+FORMATS ?=
 ROWS ?= 10
 USERS ?= 4
 SPAWN_RATE ?= 4
@@ -64,8 +64,8 @@ train: setup  ## train PRESET (tiny|demo|criteo-kaggle) with NPROC processes int
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) \
 		-m training.train $(TRAIN_ARGS)
 
-export: setup  ## export RUN's latest checkpoint: TorchScript fp32 + QUANT (int8|fp16|none), parity, model_store/NAME-VERSION.mar
-	$(PY) -m training.export --run-dir $(RUN) --quant $(QUANT) $(if $(NAME),--name $(NAME)) \
+export: setup  ## export RUN's latest checkpoint: mapped int8/fp16/fp32 tables (FORMATS='["int8","onnx"]' to choose), parity, .mar
+	$(PY) -m training.export --run-dir $(RUN) $(if $(FORMATS),--formats '$(FORMATS)') $(if $(NAME),--name $(NAME)) \
 		$(if $(VERSION),--version $(VERSION)) $(EXPORT_ARGS)
 
 serve: setup  ## start TorchServe + the gRPC gateway for RUN's export in the background; waits until SERVING

@@ -38,8 +38,10 @@ MODEL = {"mar_file": "dlrm-tiny-1.0.mar", "model_name": "dlrm-tiny", "model_vers
 
 
 def torchserve_config(store: Path, workdir: Path, **overrides: Any) -> TorchServeConfig:
-    """The tiny model's TorchServe on five free ports, state in ``workdir``."""
-    return on_free_ports(TorchServeConfig(model_store=store, workdir=workdir, **MODEL, **overrides))
+    """The tiny model's TorchServe (or the model ``overrides`` names) on five free ports, state
+    in ``workdir``."""
+    settings = {**MODEL, **overrides}
+    return on_free_ports(TorchServeConfig(model_store=store, workdir=workdir, **settings))
 
 
 def start_torchserve(cfg: TorchServeConfig) -> subprocess.Popen[bytes]:

@@ -42,6 +42,15 @@ def _decode_request() -> Callable[..., Any]:
     return decode_request  # type: ignore[no-any-return]
 
 
+@functools.cache
+def _load_mapped() -> Callable[..., Any]:
+    try:  # inside a TorchServe worker, archive files sit side by side
+        from mapped import load_mapped  # type: ignore[import-not-found]
+    except ImportError:
+        from serving.worker.mapped import load_mapped
+    return load_mapped  # type: ignore[no-any-return]
+
+
 def to_tensors(dense: np.ndarray, values: np.ndarray, lengths: np.ndarray) -> Tensors:
     """The codec's arrays as tensors, sharing their memory (no copy)."""
     return torch.from_numpy(dense), torch.from_numpy(values), torch.from_numpy(lengths)
@@ -71,12 +80,17 @@ def variant_of(schema: dict[str, Any], artifact: str) -> dict[str, Any]:
 def load_artifact(
     path: Path, variant: dict[str, Any], device: torch.device, dtype: torch.dtype | None
 ) -> Any:
-    """Load a TorchScript (``.pt``) or ``torch.export`` (``.pt2``) artifact onto ``device``.
+    """Load a TorchScript (``.pt``), ``torch.export`` (``.pt2``) or mapped artifact on ``device``.
 
     fbgemm is imported only for the variants whose schema entry requires it (TorchRec's);
     ``dtype`` casts a portable scorer's weights (bf16 on CUDA); its output stays float32."""
     if "fbgemm_gpu" in variant.get("requires", []):
         import fbgemm_gpu  # noqa: F401  registers the fbgemm ops the artifact calls
+    if variant.get("kind") == "mapped":  # tables mapped from their file, shared by workers
+        if dtype is not None and device.type == "cpu":
+            raise ValueError(f"{path.name}: on CPU a mapped variant is served in its own dtype")
+        model = _load_mapped()(path, device)
+        return model if dtype is None else model.to(dtype)  # on the device: bf16 from fp16
     if variant.get("kind", "torchscript") == "torchscript":
         model = torch.jit.load(str(path), map_location=device)
     elif variant["kind"] == "torch.export":
@@ -104,9 +118,11 @@ def choose_variant(
     """``(variant, file, dtype to cast to)`` a worker on ``device`` serves.
 
     ``RECSYS_VARIANT`` names a variant of ``schema["variants"]`` explicitly. Otherwise CPU
-    serves the archive's file (``default``: the export's CPU choice, int8 TorchScript today);
-    CUDA serves the torch-only portable scorer in ``RECSYS_CUDA_DTYPE`` (else the export's
-    ``cuda_dtype``): fp16 from its own file, bf16 cast from fp32 at load. Raises ValueError."""
+    serves the archive's file (``default``: the export's CPU choice, the mapped int8 tables by
+    default); CUDA serves ``serving.cuda``: the mapped fp16 tables copied to the device (bf16
+    cast from them when ``RECSYS_CUDA_DTYPE`` or the export's ``cuda_dtype`` says so), or, for
+    an export whose CUDA choice is the portable TorchScript pair, that scorer in the dtype asked
+    (fp16 from its own file, bf16 cast from fp32 at load). Raises ValueError."""
     variants: dict[str, Any] = schema.get("variants", {})
     by_file = {info["file"]: v for v, info in variants.items()}
     wanted = env.get("RECSYS_VARIANT", "")
@@ -120,7 +136,10 @@ def choose_variant(
         dtype = env.get("RECSYS_CUDA_DTYPE") or serving.get("cuda_dtype", "fp16")
         if dtype not in CUDA_DTYPES:
             raise ValueError(f"RECSYS_CUDA_DTYPE={dtype}: use one of {', '.join(CUDA_DTYPES)}")
-        name = f"{serving['cuda']}_fp16" if dtype == "fp16" else serving["cuda"]
+        cuda = serving["cuda"]
+        if variants.get(cuda, {}).get("kind") == "mapped":  # fp16 tables, copied to the device
+            return cuda, variants[cuda]["file"], CUDA_DTYPES[dtype] if dtype == "bf16" else None
+        name = f"{cuda}_fp16" if dtype == "fp16" else cuda
         if name in variants:
             return name, variants[name]["file"], CUDA_DTYPES[dtype]
     return by_file.get(default, default), default, None
@@ -144,7 +163,9 @@ class ScoringModel:
         self.device = device
         self.variant = variant_of(self.schema, artifact)
         if not (model_dir / artifact).is_file():
-            here = sorted(p.name for p in model_dir.glob("model_*"))
+            here = sorted(
+                p.name for p in model_dir.iterdir() if p.name.startswith(("model_", "mapped_"))
+            )
             raise ValueError(f"{artifact} is not in {model_dir} (it has {', '.join(here)})")
         self.model = load_artifact(model_dir / artifact, self.variant, device, dtype)
 

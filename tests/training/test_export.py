@@ -1,4 +1,5 @@
-"""Export: a 2-rank sharded checkpoint -> TorchScript fp32 + int8 in one process -> .mar."""
+"""Export: a 2-rank sharded checkpoint -> mapped int8/fp16/fp32 tables streamed in one process
+(TorchScript and the other formats on request) -> .mar."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import run_export
+from tests.conftest import ROOT, run_export
 
 pytestmark = pytest.mark.slow
 
@@ -39,45 +40,59 @@ def test_export_writes_variants_schema_parity_and_mar(exported: tuple[Path, Path
     assert schema["training_metrics"]["auc"] == at_step["auc"]
     import hashlib
 
-    for variant in ("fp32", "int8"):
+    for variant in ("fp32", "fp16", "int8"):
         info = schema["variants"][variant]
-        data = (export / info["file"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == info["sha256"] and len(data) == info["bytes"]
-    mar = store / "dlrm-tiny-1.0.mar"
-    names = set(zipfile.ZipFile(mar).namelist())
+        assert info["kind"] == "mapped" and info["requires"] == ["torch"]
+        for record in (info, info["tables"]):
+            data = (export / record["file"]).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == record["sha256"]
+            assert len(data) == record["bytes"]
+    rows = sum(t["rows"] for t in schema["tables"])
+    assert schema["variants"]["int8"]["tables"]["bytes"] == rows * (8 + 8)  # dim 8 + scale, bias
+    assert schema["serving"]["cpu"] == "int8" and schema["serving"]["cuda"] == "fp16"
+    mar = zipfile.ZipFile(store / "dlrm-tiny-1.0.mar")
+    names = set(mar.namelist())
     assert {
-        "model_int8.pt",
-        "schema.json",
-        "handler.py",
-        "codec.py",
+        "mapped_int8.pt", "tables_int8.bin", "mapped_fp16.pt", "tables_fp16.bin", "schema.json",
+        "handler.py", "codec.py", "mapped.py", "portable_model.py", "features.py",
         "MAR-INF/MANIFEST.json",
-    } <= names
-    manifest = json.loads(zipfile.ZipFile(mar).read("MAR-INF/MANIFEST.json"))
-    assert (
-        manifest["model"]["modelName"] == "dlrm-tiny" and manifest["model"]["modelVersion"] == "1.0"
-    )
+    } <= names  # fmt: skip
+    assert "tables_fp32.bin" not in names  # the fp32 tables rebuild the model: not served
+    for item in mar.infolist():  # weights stored as they are (one copy to archive or unpack)
+        want = (
+            zipfile.ZIP_STORED if item.filename.endswith((".bin", ".pt")) else zipfile.ZIP_DEFLATED
+        )
+        assert item.compress_type == want, item.filename
+    manifest = json.loads(mar.read("MAR-INF/MANIFEST.json"))
+    assert manifest["model"] == {
+        "modelName": "dlrm-tiny", "serializedFile": "mapped_int8.pt", "handler": "handler.py",
+        "modelVersion": "1.0",
+    }  # fmt: skip
     assert "batch 512" in report and "|ΔAUC| int8" in report
 
 
 FRESH = textwrap.dedent(
     """
-    import sys, numpy as np, torch, fbgemm_gpu
-    m = torch.jit.load(sys.argv[1])
+    import sys, numpy as np, torch
+    from pathlib import Path
+    from serving.worker.mapped import load_mapped
+    m = load_mapped(Path(sys.argv[1]), torch.device("cpu"))
     s = np.load(sys.argv[2])
     d, v, l = (torch.from_numpy(s[k]) for k in ("dense", "values", "lengths"))
     with torch.inference_mode():
         p = m(d, v, l).numpy()
-    assert not any(k.startswith("torchrec") for k in sys.modules), "torchrec was imported"
+    loaded = [k for k in sys.modules if k.startswith(("torchrec", "fbgemm_gpu", "training"))]
+    assert not loaded, loaded
     print(len(p), float(np.abs(p - s["probs_int8"]).max()))
     """
 )
 
 
-def test_fresh_process_without_torchrec_scores_1000_rows(exported: tuple[Path, Path, str]) -> None:
+def test_fresh_process_with_torch_alone_scores_1000_rows(exported: tuple[Path, Path, str]) -> None:
     export, _, _ = exported
     proc = subprocess.run(
-        [sys.executable, "-c", FRESH, str(export / "model_int8.pt"), str(export / "sample.npz")],
-        capture_output=True, text=True, timeout=120, cwd="/",
+        [sys.executable, "-c", FRESH, str(export / "mapped_int8.pt"), str(export / "sample.npz")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows, diff = proc.stdout.split()
@@ -88,10 +103,10 @@ def test_fresh_process_without_torchrec_scores_1000_rows(exported: tuple[Path, P
 def test_batch_scores_equal_per_row_scores_at_any_batch_size(
     exported: tuple[Path, Path, str], variant: str
 ) -> None:
-    import fbgemm_gpu  # noqa: F401
+    from serving.worker.mapped import load_mapped
 
     export, _, _ = exported
-    m = torch.jit.load(str(export / f"model_{variant}.pt"))
+    m = load_mapped(export / f"mapped_{variant}.pt", torch.device("cpu"))
     s = np.load(export / "sample.npz")
     dense, values, lengths = (torch.from_numpy(s[k]) for k in ("dense", "values", "lengths"))
 
@@ -208,30 +223,35 @@ def _trainer_auc(run: Path, step: int) -> float:
     return float(next(m["auc"] for m in rows if m["step"] == step))
 
 
-@pytest.mark.parametrize("quant", ["fp16", "none"])
-def test_quant_fp16_or_none_exports_and_serves_that_variant(
-    trained: Path, tmp_path: Path, quant: str
+@pytest.mark.parametrize(
+    ("formats", "cpu", "served_file"),
+    [('["fp32"]', "fp32", "mapped_fp32.pt"), ('["torchscript"]', "ts_int8", "model_int8.pt")],
+)
+def test_formats_on_request_export_and_serve_that_variant(
+    trained: Path, tmp_path: Path, formats: str, cpu: str, served_file: str
 ) -> None:
+    """Only the formats asked for (plus the fp32 tables, the parity reference), and the CPU
+    variant named is what the .mar serves; TorchRec's TorchScript files are still a format."""
     run, store = _copy_run(trained, tmp_path / "run"), tmp_path / "store"
-    run_export(["--run-dir", str(run), "--model-store", str(store), "--quant", quant])
+    args = ["--formats", formats, "--cpu-variant", cpu]
+    run_export(["--run-dir", str(run), "--model-store", str(store), *args])
     export = run / "export"
     schema = json.loads((export / "schema.json").read_text())
     parity = json.loads((export / "parity.json").read_text())
-    served = "fp32" if quant == "none" else quant
-    assert {"fp32", "fp16"} & set(schema["variants"]) == {"fp32", served}
-    assert "int8" not in schema["variants"] and not (export / "model_int8.pt").exists()
-    assert parity["ok"] and abs(parity["auc"][served] - parity["auc"]["eager"]) <= 1e-3
-    assert abs(parity["auc"][served] - _trainer_auc(run, schema["source"]["step"])) <= 1e-3
+    want = {"fp32"} | ({"ts_fp32", "ts_int8"} if cpu == "ts_int8" else set())
+    assert set(schema["variants"]) == want and not (export / "tables_int8.bin").exists()
+    assert parity["ok"] and abs(parity["auc"][cpu] - parity["auc"]["eager"]) <= 1e-3
+    assert abs(parity["auc"][cpu] - _trainer_auc(run, schema["source"]["step"])) <= 1e-3
     (mar,) = store.glob("*.mar")
     manifest = json.loads(zipfile.ZipFile(mar).read("MAR-INF/MANIFEST.json"))
-    assert manifest["model"]["serializedFile"] == f"model_{served}.pt"
-    import fbgemm_gpu  # noqa: F401
+    assert manifest["model"]["serializedFile"] == served_file
+    from serving.worker.scoring import load_artifact
 
-    m = torch.jit.load(str(export / f"model_{served}.pt"))
+    m = load_artifact(export / served_file, schema["variants"][cpu], torch.device("cpu"), None)
     s = np.load(export / "sample.npz")
     with torch.inference_mode():
         p = m(*(torch.from_numpy(s[k]) for k in ("dense", "values", "lengths"))).numpy()
-    np.testing.assert_allclose(p, s[f"probs_{served}"], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(p, s[f"probs_{cpu}"], atol=1e-6, rtol=0)
 
 
 def test_failed_parity_exports_nothing_unless_forced(

@@ -4,17 +4,25 @@
 name and version from the archive's manifest). The archive is built in a temporary folder and
 moved into place in one rename, so a failure leaves nothing half-written; an existing version
 is replaced only with ``overwrite``.
+
+A ``.mar`` is a zip with ``MAR-INF/MANIFEST.json`` (what ``torch-model-archiver`` writes). We
+write it ourselves because the archiver deflates every file: for the Kaggle shape that was ~2
+minutes of compression of 3.7 GB for 8% savings, and TorchServe inflates it again at every
+registration. Weights (``.bin``, ``.pt``, ``.pt2``, ``.onnx``) are stored as they are, so
+archiving costs one copy and unpacking one more, at disk speed; text is deflated.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
+import time
+import zipfile
 from pathlib import Path
+from typing import Any
 
 from training.errors import ConfigError, RecsysError
 
@@ -38,6 +46,23 @@ def check_target(store: Path, name: str, version: str, overwrite: bool) -> Path:
     return target
 
 
+STORED = (".bin", ".pt", ".pt2", ".onnx", ".data")  # already dense: deflate saves little
+ARCHIVER_VERSION = "0.12.0"  # the torch-model-archiver whose manifest this one matches
+
+
+def manifest(name: str, version: str, serialized: str, handler: str) -> dict[str, Any]:
+    """``MAR-INF/MANIFEST.json`` as torch-model-archiver 0.12 writes it."""
+    return {
+        "createdOn": time.strftime("%d/%m/%Y %H:%M:%S"),
+        "runtime": "python",
+        "model": {
+            "modelName": name, "serializedFile": serialized, "handler": handler,
+            "modelVersion": version,
+        },
+        "archiverVersion": ARCHIVER_VERSION,
+    }  # fmt: skip
+
+
 def archive(
     export_dir: Path,
     artifact: str,
@@ -48,27 +73,29 @@ def archive(
     version: str,
     overwrite: bool,
 ) -> Path:
-    """Run torch-model-archiver; returns the .mar path."""
+    """Write ``store/<name>-<version>.mar`` (flat: every file at the top, as TorchServe puts
+    them beside the handler); returns its path."""
     target = check_target(store, name, version, overwrite)
     if not handler.is_file():
         raise ConfigError(f"handler not found: {handler} (set --handler)")
+    files = [export_dir / artifact, handler, *extra_files]
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing:
+        raise ConfigError(f"cannot archive {name} {version}: missing {', '.join(missing)}")
     store.mkdir(parents=True, exist_ok=True)
-    archiver = Path(sys.executable).parent / "torch-model-archiver"
     with tempfile.TemporaryDirectory(dir=store, prefix=".archive-") as tmp:
-        cmd = [
-            str(archiver if archiver.exists() else "torch-model-archiver"),
-            "--model-name", name,
-            "--version", version,
-            "--serialized-file", str(export_dir / artifact),
-            "--handler", str(handler),
-            "--extra-files", ",".join(str(p) for p in extra_files),
-            "--export-path", tmp,
-        ]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise RecsysError(f"torch-model-archiver failed: {last}")
         built = Path(tmp) / f"{name}.mar"
+        try:
+            with zipfile.ZipFile(built, "w", allowZip64=True) as z:
+                for path in dict.fromkeys(files):  # each file once, in order
+                    kind = zipfile.ZIP_STORED if path.suffix in STORED else zipfile.ZIP_DEFLATED
+                    z.write(path, path.name, compress_type=kind)
+                doc = manifest(name, version, artifact, handler.name)
+                info = zipfile.ZipInfo("MAR-INF/MANIFEST.json", time.localtime()[:6])
+                info.external_attr = 0o644 << 16
+                z.writestr(info, json.dumps(doc, indent=2), compress_type=zipfile.ZIP_DEFLATED)
+        except OSError as e:
+            raise RecsysError(f"archiving {name} {version} failed: {e}") from None
         os.replace(built, target)
     return target
 

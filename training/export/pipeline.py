@@ -21,25 +21,19 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
+from serving.worker.features import DESCRIPTION as TRANSFORMS
 from training.errors import ConfigError, DataError
+from training.export import variants
 from training.export.archive import archive, check_target
 from training.export.parity import latency_report, parity_report, predict
-from training.export.portable import PORTABLE, load_variant, portable_scorer, save_portable
-from training.export.scorer import (
-    CPU_ROW_ALIGNMENT,
-    eager_scorer,
-    load_dlrm,
-    raw_inputs,
-    resolve_checkpoint,
-    script_variant,
-)
+from training.export.scorer import CPU_ROW_ALIGNMENT, load_config, raw_inputs, resolve_checkpoint
 from training.features import DENSE_NAMES, SPARSE_NAMES, table_name
 from training.loader import Arrays
 
@@ -47,9 +41,20 @@ logger = logging.getLogger("training.export")
 SCHEMA_VERSION = 1
 SAMPLE_ROWS = 1000
 # Modules the handler imports, archived beside it (TorchServe puts them on the worker's path).
-HANDLER_MODULES = ("codec.py", "scoring.py")
-# What a CUDA worker loads (fp32 TorchScript also serves bf16, cast at load), carried in the .mar.
-MAR_PORTABLE = ("portable", "portable_fp16")
+HANDLER_MODULES = ("codec.py", "scoring.py", "mapped.py", "portable_model.py", "features.py")
+Format = Literal["int8", "fp16", "fp32", "torchscript", "portable", "pt2", "onnx", "aoti"]
+DEFAULT_FORMATS: tuple[Format, ...] = ("int8", "fp16", "fp32")
+# the variants (schema.json's ``variants`` keys) each format writes
+FORMAT_VARIANTS: dict[str, tuple[str, ...]] = {
+    "int8": ("int8",), "fp16": ("fp16",), "fp32": ("fp32",),
+    "torchscript": ("ts_fp32", "ts_int8"), "portable": ("portable", "portable_fp16"),
+    "pt2": ("portable_pt2",), "onnx": ("portable_onnx",), "aoti": ("portable_aoti",),
+}  # fmt: skip
+# Reduced precision: judged by |ΔAUC| against the reference; the rest by max |Δp|.
+REDUCED = ("int8", "fp16", "ts_int8", "portable_fp16")
+# What a CUDA worker loads, carried in the .mar beside the CPU variant: the mapped fp16 tables
+# (copied to the device), else the portable TorchScript pair of an export that has one.
+CUDA_VARIANTS = (("fp16",), ("portable", "portable_fp16"))
 LATENCY_BATCH = "100"  # the batch size variants are compared (and the CPU's fastest chosen) at
 
 
@@ -61,8 +66,16 @@ class ExportConfig:
     """Run directory whose checkpoints/latest is exported."""
     checkpoint: Path | None = None
     """A specific step directory instead of the run's latest."""
-    quant: Literal["int8", "fp16", "none"] = "int8"
-    """Embedding variant served from the .mar (none = fp32); fp32 is always exported too."""
+    formats: list[Format] = field(default_factory=lambda: list(DEFAULT_FORMATS))
+    """What to write (any of: int8, fp16, fp32, torchscript, portable, pt2, onnx, aoti).
+    Streamed table by table from the checkpoint (peak memory about the largest table):
+    ``int8`` (tables mapped by CPU workers, byte-rowwise int8), ``fp16`` (what CUDA workers
+    copy to their device), ``fp32`` (the model as trained: the parity reference, written
+    always, not archived). On request, from the whole model in memory (about 3x the fp32
+    tables at peak): ``torchscript`` (TorchRec's TorchScript fp32 + int8; loading needs
+    fbgemm), ``portable`` (torch-only TorchScript fp32 + fp16, ``portable_state.pt``), ``pt2``
+    (a ``torch.export`` program), ``onnx``, ``aoti`` (AOTInductor for this machine: a C++
+    compile, ~1 min at the criteo-kaggle shape)."""
     name: str = ""
     """Model name (default: dlrm-<preset>)."""
     version: str = ""
@@ -83,17 +96,14 @@ class ExportConfig:
     """Build the .mar (off: only the export directory)."""
     progress: bool = True
     """Progress bars while the parity rows are generated or preprocessed."""
-    portable: bool = True
-    """Also export the torch-only variants (no TorchRec/fbgemm to load): TorchScript fp32 and
-    fp16, a torch.export program (.pt2), ONNX; the .mar carries the TorchScript pair for CUDA."""
-    onnx: bool = True
-    """With portable: the portable scorer as ONNX too (checked under onnxruntime)."""
-    aoti: bool = False
-    """AOTInductor-compile the .pt2 for this machine's device (C++ compile: ~1 min at the
-    criteo-kaggle shape on 2 cores); needs portable."""
-    cpu_variant: Literal["quant", "fastest", "fp32", "portable", "portable_fp16"] = "quant"
-    """What CPU workers serve (the .mar's file): the quant variant, the fastest TorchScript
-    variant measured at batch 100 (among those passing parity), or a named one."""
+    eager_check_bytes: int = 1 << 30
+    """Also score the parity rows with TorchRec's own eager model (it holds every table in
+    memory) when the fp32 tables are at most this many bytes; larger models are checked
+    against the streamed fp32 tables."""
+    cpu_variant: str = "int8"
+    """What CPU workers serve (the .mar's file): a written variant (int8, fp32, ts_int8,
+    portable, ...) or ``fastest`` (the fastest measured at batch 100 among those passing
+    parity)."""
     cuda_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
     """Precision a CUDA worker serves the portable scorer in (recorded in schema.json; the
     handler's RECSYS_CUDA_DTYPE overrides it)."""
@@ -105,10 +115,12 @@ class ExportConfig:
         """Raise ConfigError when the config names no checkpoint."""
         if self.run_dir is None and self.checkpoint is None:
             raise ConfigError("give --run-dir or --checkpoint (run_dir / checkpoint)")
-        if self.cpu_variant.startswith("portable") and not self.portable:
-            raise ConfigError(f"cpu_variant = {self.cpu_variant} needs portable = true")
-        if self.aoti and not self.portable:
-            raise ConfigError("aoti = true needs portable = true (it compiles the portable .pt2)")
+        named = {v for f in self.formats for v in FORMAT_VARIANTS[f]} | {"fastest"}
+        if self.cpu_variant not in named:
+            raise ConfigError(
+                f"cpu_variant = {self.cpu_variant}: the formats written give "
+                f"{', '.join(sorted(named))}"
+            )
         if self.cuda_int8:
             check_cuda_int8(torch.cuda.is_available())
 
@@ -128,29 +140,6 @@ def check_cuda_int8(cuda_available: bool) -> None:
         ) from None
     # Never run on a machine with both (docs/bench.md): refuse rather than ship it untested.
     raise ConfigError("cuda_int8: the CUDA int8 build is not implemented yet; serve portable_fp16")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _variant_info(variant: str, path: Path) -> dict[str, Any]:
-    """Size, checksum, what loading it needs and its device, for schema.json's ``variants``."""
-    kind = PORTABLE[variant][1] if variant in PORTABLE else "torchscript"
-    requires = (
-        ["onnxruntime"] if kind == "onnx" else ["torch"] if variant in PORTABLE
-        else ["torch", "fbgemm_gpu"]
-    )  # fmt: skip
-    return {
-        "file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path), "kind": kind,
-        "requires": requires, "device": "cpu" if kind == "aoti" or variant not in PORTABLE
-        else "any",
-        "dtype": "fp16" if variant.endswith("fp16") else "int8" if variant == "int8" else "fp32",
-    }  # fmt: skip
 
 
 def parity_arrays(ecfg: ExportConfig, train_cfg: Any) -> Arrays:
@@ -183,6 +172,7 @@ def build_schema(
     parity: dict[str, Any],
     served: str,
     fastest: str | None = None,
+    cuda: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     rows = cfg.model.rows()
     return {
@@ -199,13 +189,13 @@ def build_schema(
             "lengths": "int32[26, B] ids per feature and example (0 = missing)",
         },
         "output": "float32[B] click probability",
-        "transforms": {"dense": "log1p(max(x, 0))", "ids": "id mod rows (per table)"},
-        "variants": {v: _variant_info(v, p) for v, p in files.items()},
+        "transforms": dict(TRANSFORMS),
+        "variants": {v: variants.info(v, p) for v, p in files.items()},
         "served_variant": served,
         # What the handler loads per device (serving/worker/handler.py: choose_variant).
         "serving": {
             "cpu": served,
-            "cuda": "portable" if "portable" in files else None,
+            "cuda": cuda[0] if cuda else None,
             "cuda_dtype": ecfg.cuda_dtype,
             "fastest_cpu": fastest,
         },
@@ -280,7 +270,7 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
     """The whole export; returns a summary (paths, sizes, parity, latency)."""
     ckpt = resolve_checkpoint(ecfg.run_dir, ecfg.checkpoint)
     run_dir = ecfg.run_dir or ckpt.parent.parent
-    dlrm, cfg, meta = load_dlrm(ckpt)
+    cfg, meta = load_config(ckpt)
     step = meta.get("progress", {}).get("step", 0)
     ecfg = dataclasses.replace(
         ecfg, name=ecfg.name or f"dlrm-{cfg.name}", version=ecfg.version or str(step)
@@ -288,9 +278,6 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
     if ecfg.archive:
         check_target(ecfg.model_store, ecfg.name, ecfg.version, ecfg.overwrite)
     arrays = parity_arrays(ecfg, cfg)
-    variants = ["fp32"] + ([] if ecfg.quant == "none" else [ecfg.quant])
-    served = variants[-1]
-
     final = run_dir / "export"
     _recover_export(final)
     tmp = run_dir / f".export.tmp-{os.getpid()}"
@@ -300,25 +287,15 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
     tmp.mkdir(parents=True)
     mar = None
     try:
-        files: dict[str, Path] = {}
-        for v in variants:
-            files[v] = tmp / f"model_{v}.pt"
-            script_variant(dlrm, cfg, v).save(str(files[v]))  # type: ignore[arg-type]
-        loaded: dict[str, Any] = {v: torch.jit.load(str(p)) for v, p in files.items()}
-        eager = eager_scorer(dlrm, cfg)
-        reduced = variants[1:]
-        if ecfg.portable:
-            example = raw_inputs(arrays.dense[:64], arrays.sparse[:64])
-            t0 = time.perf_counter()
-            portable = save_portable(
-                portable_scorer(dlrm, cfg.model), tmp, example, aoti=ecfg.aoti, onnx=ecfg.onnx
-            )
-            logger.info("portable variants written in %.1f s", time.perf_counter() - t0)
-            files.update(portable)
-            loaded.update({v: load_variant(p, PORTABLE[v][1]) for v, p in portable.items()})
-            reduced += [v for v in portable if PORTABLE[v][2]]
+        built_variants = variants.build(
+            ckpt, cfg, tmp, list(ecfg.formats), arrays, ecfg.eager_check_bytes, ecfg.progress
+        )
+        files, loaded = built_variants.files, built_variants.models
+        ref, ref_model = built_variants.reference, built_variants.reference_model
+        compared = {v: m for v, m in loaded.items() if not (ref == "fp32" and v == "fp32")}
+        reduced = [v for v in loaded if v in REDUCED]
         # check what was saved, as loaded back
-        parity = parity_report(eager, loaded, arrays, quantized=reduced)
+        parity = parity_report(ref_model, compared, arrays, quantized=reduced, reference=ref)
         if not parity["ok"]:
             failed = "; ".join(
                 f"{c['check']} = {c['value']:.2e} > {c['limit']:.0e}"
@@ -331,32 +308,32 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
                 )
             parity["forced"] = True
             logger.warning("parity failed (%s); exporting because --force", failed)
-        parity["latency"] = latency_report({"eager": eager, **loaded}, arrays)
+        parity["latency"] = latency_report({ref: ref_model, **compared}, arrays)
         fastest = fastest_cpu(parity["latency"], files, parity)
-        if ecfg.cpu_variant == "fastest" and fastest is not None:
-            served = fastest
-        elif ecfg.cpu_variant not in ("quant", "fastest"):
-            served = ecfg.cpu_variant
+        served = fastest if ecfg.cpu_variant == "fastest" and fastest else ecfg.cpu_variant
+        if served == "fastest":  # nothing measured passed: the default
+            served = "int8" if "int8" in files else next(iter(files))
+        cuda = next((c for c in CUDA_VARIANTS if all(v in files for v in c)), ())
         (tmp / "parity.json").write_text(json.dumps(parity, indent=2))
         sample = arrays.rows(0, min(SAMPLE_ROWS, len(arrays)))
         dense, values, lengths = raw_inputs(sample.dense, sample.sparse)
         arrays_out: dict[str, np.ndarray] = {
             "dense": dense.numpy(), "values": values.numpy(), "lengths": lengths.numpy(),
             "labels": np.asarray(sample.labels),
-            "probs_eager": predict(eager, sample),
-            **{f"probs_{v}": predict(m, sample) for v, m in loaded.items()},
+            f"probs_{ref}": predict(ref_model, sample),
+            **{f"probs_{v}": predict(m, sample) for v, m in compared.items()},
         }  # fmt: skip
         np.savez(tmp / "sample.npz", **arrays_out)  # type: ignore[arg-type]
-        schema = build_schema(ecfg, cfg, meta, ckpt, files, parity, served, fastest)
+        schema = build_schema(ecfg, cfg, meta, ckpt, files, parity, served, fastest, cuda)
         (tmp / "schema.json").write_text(json.dumps(schema, indent=2))
         built = None
         if ecfg.archive:  # from the folder built aside, into a staging folder in the store
             ecfg.model_store.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)
+            carried = variants.archived(files, served, cuda)
             built = archive(
-                tmp, files[served].name, ecfg.handler,
-                [tmp / "schema.json", tmp / "parity.json"]
-                + [tmp / PORTABLE[v][0] for v in MAR_PORTABLE if v in files and v != served]
+                tmp, carried[0].name, ecfg.handler,
+                [tmp / "schema.json", tmp / "parity.json", *carried[1:]]
                 + [ecfg.handler.parent / m for m in HANDLER_MODULES],
                 staging, ecfg.name, ecfg.version, True,
             )  # fmt: skip

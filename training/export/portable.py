@@ -68,6 +68,13 @@ def portable_scorer(dlrm: Any, model_cfg: Any, bags: str = "embedding_bag") -> P
     with torch.no_grad():
         tables = [state[f"{EBC}.{table_name(f)}.weight"] for f in SPARSE_NAMES]
         scorer.weight.copy_(torch.cat(tables))
+    copy_dense(dlrm, scorer)
+    return scorer.eval()
+
+
+def copy_dense(dlrm: Any, scorer: PortableScorer) -> None:
+    """``dlrm``'s MLPs (and DCN cross layers) into ``scorer``: everything but the tables."""
+    with torch.no_grad():
         pairs = [
             (_linears(dlrm.dense_arch), _linears(scorer.dense)),
             (_linears(dlrm.over_arch), _linears(scorer.over)),
@@ -86,7 +93,6 @@ def portable_scorer(dlrm: Any, model_cfg: Any, bags: str = "embedding_bag") -> P
                 scorer.dcn_v[i].copy_(cross.V_kernels[i])
                 scorer.dcn_w[i].copy_(cross.W_kernels[i])
                 scorer.dcn_b[i].copy_(cross.bias[i])
-    return scorer.eval()
 
 
 def _export_program(scorer: PortableScorer, example: tuple[torch.Tensor, ...]) -> Any:
@@ -97,30 +103,31 @@ def _export_program(scorer: PortableScorer, example: tuple[torch.Tensor, ...]) -
 
 
 def save_portable(
-    scorer: PortableScorer,
-    out: Path,
-    example: tuple[torch.Tensor, ...],
-    aoti: bool,
-    onnx: bool,
+    scorer: PortableScorer, out: Path, example: tuple[torch.Tensor, ...], formats: set[str]
 ) -> dict[str, Path]:
-    """Write the portable variants of ``scorer`` into ``out``; ``{variant: path}``."""
+    """Write the portable variants of ``scorer`` that ``formats`` names into ``out``:
+    ``portable`` (TorchScript fp32 + fp16, and ``portable_state.pt``), ``pt2``, ``aoti`` (from
+    the pt2 program) and ``onnx``; returns ``{variant: path}``."""
     files: dict[str, Path] = {}
-    torch.save(to_state(scorer), out / STATE_FILE)
-    for name, dtype in (("portable", torch.float32), ("portable_fp16", torch.float16)):
-        scripted = torch.jit.script(_copy(scorer).to(dtype))
-        files[name] = out / PORTABLE[name][0]
-        scripted.save(str(files[name]))  # type: ignore[no-untyped-call]
-    program = _export_program(scorer, example)
-    files["portable_pt2"] = out / PORTABLE["portable_pt2"][0]
-    torch.export.save(program, files["portable_pt2"])
-    if aoti:
+    if "portable" in formats:
+        torch.save(to_state(scorer), out / STATE_FILE)
+        for name, dtype in (("portable", torch.float32), ("portable_fp16", torch.float16)):
+            scripted = torch.jit.script(_copy(scorer).to(dtype))
+            files[name] = out / PORTABLE[name][0]
+            scripted.save(str(files[name]))  # type: ignore[no-untyped-call]
+    if formats & {"pt2", "aoti"}:
+        program = _export_program(scorer, example)
+    if "pt2" in formats:
+        files["portable_pt2"] = out / PORTABLE["portable_pt2"][0]
+        torch.export.save(program, files["portable_pt2"])
+    if "aoti" in formats:
         if shutil.which("c++") is None and shutil.which("g++") is None:
-            raise ConfigError("aoti = true needs a C++ compiler (apt-get install g++)")
+            raise ConfigError("the aoti format needs a C++ compiler (apt-get install g++)")
         from torch._inductor import aoti_compile_and_package
 
         files["portable_aoti"] = out / PORTABLE["portable_aoti"][0]
         aoti_compile_and_package(program, package_path=str(files["portable_aoti"]))
-    if onnx:
+    if "onnx" in formats:
         from training.export.onnx_export import export_onnx
 
         files["portable_onnx"] = out / PORTABLE["portable_onnx"][0]
