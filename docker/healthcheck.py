@@ -2,7 +2,8 @@
 
 ``python docker/healthcheck.py torchserve|gateway``; exit 0 when healthy. Ports and folders come
 from the configs the servers load, with the same variables (``RECSYS_TS_INFERENCE_PORT``,
-``RECSYS_TS_WORKDIR``, ``RECSYS_GATEWAY_PORT``, ...).
+``RECSYS_TS_WORKDIR``, ``RECSYS_GATEWAY_PORT``, ``RECSYS_GATEWAY_TLS_*``, ...); the gateway is
+checked over TLS with its token when it asks for them.
 """
 
 from __future__ import annotations
@@ -35,11 +36,27 @@ def torchserve(timeout: float = 3.0) -> bool:
 
 
 def gateway(timeout: float = 3.0) -> bool:
-    """The gateway's health service says SERVING (it does once a backend scores a probe)."""
-    from serving.gateway.config import GatewayConfig
-    from serving.tools.client import gateway_status
+    """The gateway's health service says SERVING (it does once a backend scores a probe).
 
-    return gateway_status(f"127.0.0.1:{load(GatewayConfig).port}", timeout) == "SERVING"
+    Reached as our tools reach it (serving/tools/channel.py): the gateway's own variables say
+    whether it serves TLS (``RECSYS_GATEWAY_TLS_*``) and where its tokens are
+    (``RECSYS_GATEWAY_TOKEN_FILE``: the token goes along, for ``auth.protect_health``);
+    ``RECSYS_CLIENT_TLS_*`` override the CA, client certificate and name to verify, which
+    otherwise come from the gateway's own certificate files.
+    """
+    from serving.gateway.auth import AuthError
+    from serving.gateway.config import GatewayConfig
+    from serving.tools.channel import for_gateway, from_env
+    from serving.tools.client import health
+
+    gw = load(GatewayConfig)
+    try:
+        status, why = health(f"127.0.0.1:{gw.port}", timeout, for_gateway(from_env(), gw))
+    except AuthError as e:  # a TLS or token file it cannot read
+        status, why = "UNREACHABLE", str(e)
+    if status != "SERVING":
+        print(f"gateway: {status}" + (f" ({why})" if why else ""), file=sys.stderr)
+    return status == "SERVING"
 
 
 CHECKS = {"torchserve": torchserve, "gateway": gateway}

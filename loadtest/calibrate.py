@@ -26,6 +26,7 @@ from loadtest.locust_runner import run_locust
 from recsys_stack import config as rc
 from recsys_stack.net import free_ports
 from serving.stubs import ranker_pb2, ranker_pb2_grpc
+from serving.tools.channel import plaintext_env
 
 
 class NoopRanker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
@@ -50,7 +51,9 @@ def ceiling_run(cfg: LoadConfig, out: Path) -> dict[str, Any]:
     port = free_ports(1)[0]
     server = start_noop(port)
     try:
-        s = run_locust(cfg, f"127.0.0.1:{port}", cfg.users, cfg.duration, out, cfg.spawn_rate)
+        # the no-op server is plaintext, whatever RECSYS_CLIENT_TLS_* say for the gateway
+        s = run_locust(cfg, f"127.0.0.1:{port}", cfg.users, cfg.duration, out, cfg.spawn_rate,
+                       env=plaintext_env())  # fmt: skip
     finally:
         server.stop(grace=1).wait()
     doc = {**s, "users": cfg.users, "processes": cfg.processes,

@@ -15,6 +15,10 @@ Settings (environment, read by each load process):
                           $RECSYS_SERVE_DIR/gateway_token, when it exists: what `make serve`
                           writes); its first token goes as ``authorization: Bearer <token>``
   RECSYS_AUTH_TOKEN       a token to send instead of the file's
+  RECSYS_CLIENT_TLS_CA, RECSYS_CLIENT_TLS_CERT, RECSYS_CLIENT_TLS_KEY,
+  RECSYS_CLIENT_TLS_SERVER_NAME, RECSYS_CLIENT_TLS
+                          TLS and mutual TLS, as for every tool of ours
+                          (serving/tools/channel.py); all unset = plaintext
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from loadtest.checks import check_reply  # noqa: E402
 from loadtest.payload import request_pool  # noqa: E402
 from serving.gateway.auth import call_metadata, client_token  # noqa: E402
 from serving.stubs import ranker_pb2_grpc  # noqa: E402
+from serving.tools.channel import from_env, open_channel  # noqa: E402
 
 NAME = "recsys.v1.Ranker/Score"
 
@@ -110,12 +115,14 @@ class RankerUser(User):
 
     def on_start(self) -> None:
         target = self.host or os.environ.get("RECSYS_GATEWAY", "127.0.0.1:50051")
+        channel = from_env()
         self.channel = grpc.intercept_channel(
-            grpc.insecure_channel(target), LocustInterceptor(self.environment.events.request.fire)
+            open_channel(target, channel), LocustInterceptor(self.environment.events.request.fire)
         )
         self.stub = ranker_pb2_grpc.RankerStub(self.channel)
         self.timeout = float(os.environ.get("LOADTEST_TIMEOUT_S", "5"))
-        self.metadata = call_metadata(os.environ.get("RECSYS_AUTH_TOKEN") or client_token())
+        token = os.environ.get("RECSYS_AUTH_TOKEN") or client_token(channel.token_file)
+        self.metadata = call_metadata(token)
         self.pool = _pool()
 
     def on_stop(self) -> None:

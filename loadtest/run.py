@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -47,10 +48,11 @@ def model_info(host: str, data: Path, examples: int) -> dict[str, str]:
     import grpc
 
     from loadtest.payload import request_pool
-    from serving.gateway.auth import client_token
+    from serving.tools.channel import from_env
     from serving.tools.client import RankerClient
 
-    client = RankerClient(host, timeout=10, token=client_token())
+    token = os.environ.get("RECSYS_AUTH_TOKEN") or None  # what the Locust users send
+    client = RankerClient(host, timeout=10, token=token, channel=from_env())
     try:
         reply = client.stub.Score(
             request_pool(data, examples, size=1)[0], timeout=10, metadata=client.metadata

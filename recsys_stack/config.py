@@ -37,6 +37,7 @@ from recsys_stack.typed import (
     env_field,
     field_docs,
     iter_keys,
+    suggest,
     to_dict,
 )
 
@@ -135,7 +136,10 @@ def parse_override(cls: type, text: str) -> dict[str, Any]:
 def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
+        # a preset is a file of its folder (make PRESET=...): name the ones there
+        here = sorted(f.stem for f in p.parent.glob("*.toml")) if p.parent.is_dir() else []
+        listing = f"; {p.parent} has {', '.join(here)}" if here else ""
+        raise ConfigError(f"config file not found: {p}{suggest(p.stem, here)}{listing}")
     try:
         return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -151,6 +155,19 @@ def env_values(cls: type, environ: Mapping[str, str]) -> list[tuple[str, dict[st
         if key.env and environ.get(key.env, "") != "":
             out.append((key.env, nest(key.path, parse_value(cls, key.path, environ[key.env]))))
     return out
+
+
+def _blame(
+    cls: type, base: dict[str, Any], env: list[tuple[str, dict[str, Any]]], error: ConfigError
+) -> str:
+    """The variable that alone gives ``error`` over ``base``, else every variable set."""
+    for var, value in env:
+        try:
+            build(cls, merge(base, value))
+        except ConfigError as e:
+            if str(e) == str(error):
+                return var
+    return ", ".join(var for var, _ in env)
 
 
 def load(
@@ -172,12 +189,14 @@ def load(
             build(cls, raw)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
-    for var, value in env_values(cls, environ):
+    before_env, env = raw, env_values(cls, environ)
+    for _, value in env:  # all of them, then one check: a rule may span fields (cert + key)
         raw = merge(raw, value)
-        try:
+    try:
+        if env:
             build(cls, raw)
-        except ConfigError as e:
-            raise ConfigError(f"environment {var}: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"environment {_blame(cls, before_env, env, e)}: {e}") from None
     for o in overrides:
         raw = merge(raw, parse_override(cls, o))
     try:

@@ -24,9 +24,9 @@ import psutil
 import pytest
 
 from recsys_stack.net import free_ports
-from serving.gateway.config import GatewayConfig
+from serving.gateway.config import ChannelConfig, GatewayConfig
 from serving.stubs import ranker_pb2_grpc
-from serving.tools.client import gateway_status
+from serving.tools.client import gateway_status, health
 from serving.tools.supervisor import launch_gateway
 from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig, on_free_ports
@@ -72,14 +72,17 @@ def stop_gateway(gateway: subprocess.Popen[bytes]) -> int:
     return gateway.wait(timeout=30)
 
 
-def wait_status(target: str, want: str, timeout: float) -> float:
-    """Seconds until the gateway's health is ``want``; fails the test after ``timeout``."""
+def wait_status(
+    target: str, want: str, timeout: float, channel: ChannelConfig | None = None
+) -> float:
+    """Seconds until the gateway's health is ``want`` (``channel``: TLS and token, None =
+    plaintext); fails the test after ``timeout``."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        if gateway_status(target) == want:
+        if gateway_status(target, channel=channel) == want:
             return time.monotonic() - t0
         time.sleep(0.2)
-    raise AssertionError(f"gateway never became {want} (now {gateway_status(target)})")
+    raise AssertionError(f"gateway never became {want} (now {health(target, channel=channel)})")
 
 
 def ours(workdir: Path) -> list[psutil.Process]:

@@ -11,7 +11,8 @@
 - :func:`check_exposure`: the gateway refuses to start on a non-loopback host with no token
   file unless ``auth.allow_unauthenticated``.
 - Client side: :func:`client_token` finds the token (``RECSYS_GATEWAY_TOKEN_FILE``, else the
-  file ``make serve`` writes) and :func:`write_token_file` creates it (mode 0600).
+  file ``make serve`` writes) and :func:`write_token_file` creates it (mode 0600); our tools'
+  channels (TLS, mutual TLS, the token on every call) are built in serving/tools/channel.py.
 
 ``python -m serving.gateway.auth PATH`` creates a token file if there is none (compose's init step).
 """
@@ -149,7 +150,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, tokens: TokenFile, protect_health: bool = False) -> None:
         self.tokens = tokens
         self.protect_health = protect_health
-        self._deniers: dict[str, grpc.RpcMethodHandler] = {}
+        self._deniers: dict[tuple[str, str], grpc.RpcMethodHandler] = {}
 
     async def intercept_service(
         self,
@@ -165,23 +166,25 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(details)
         if handler is None:  # unknown method: UNIMPLEMENTED says nothing secret
             return None
-        denier = self._deniers.get(method)
+        why = "no bearer token" if token is None else "the bearer token is not accepted"
+        key = (method, why)  # the message is part of the handler: one per method and reason
+        denier = self._deniers.get(key)
         if denier is None:
-            why = "no bearer token" if token is None else "the bearer token is not accepted"
-            denier = self._deniers[method] = _denier(
+            denier = self._deniers[key] = _denier(
                 handler, f"{why}: send 'authorization: Bearer <token>' with a token of the "
                 "gateway's auth.token_file",
             )  # fmt: skip
         return denier
 
 
-def _read_pem(what: str, path: str) -> bytes:
+def read_pem(key: str, path: str) -> bytes:
+    """The bytes of the PEM file ``path``; AuthError naming the config ``key`` and the file."""
     try:
         data = Path(path).read_bytes()
     except OSError as e:
-        raise AuthError(f"tls.{what} {path}: {e.strerror or e}") from None
+        raise AuthError(f"{key} {path}: {e.strerror or e}") from None
     if b"-----BEGIN " not in data:
-        raise AuthError(f"tls.{what} {path}: not a PEM file")
+        raise AuthError(f"{key} {path}: not a PEM file")
     return data
 
 
@@ -189,9 +192,9 @@ def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
     """TLS credentials for ``tls`` (mutual TLS when ``client_ca`` is set); None = plaintext."""
     if not tls.enabled:
         return None
-    pair = (_read_pem("key", tls.key), _read_pem("cert", tls.cert))
+    pair = (read_pem("tls.key", tls.key), read_pem("tls.cert", tls.cert))
     if tls.client_ca:
-        ca = _read_pem("client_ca", tls.client_ca)
+        ca = read_pem("tls.client_ca", tls.client_ca)
         return grpc.ssl_server_credentials([pair], ca, require_client_auth=True)
     return grpc.ssl_server_credentials([pair])
 

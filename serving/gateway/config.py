@@ -1,4 +1,4 @@
-"""Configs of the gateway and the client: the one place naming their ports and variables.
+"""Configs of the gateway and its clients: the one place naming their ports and variables.
 
 Both go through :mod:`recsys_stack.config` (defaults < ``--config FILE.toml`` < environment <
 flags and ``section.key=value``); ``--help`` is generated from the docstrings below. Variables
@@ -148,7 +148,41 @@ class GatewayConfig:
 
 
 @dataclass
-class ClientConfig:
+class ChannelConfig:
+    """How our own tools reach the gateway: TLS and the bearer token (serving/tools/channel.py).
+
+    The client, evaluation, rollout, the supervisor's wait and ``status``, the container
+    healthcheck and the load test all read these, with the same variables."""
+
+    token_file: str = env_field(TOKEN_FILE_ENV, "")
+    """The gateway's token file (its first token is sent as ``authorization: Bearer``); empty =
+    ``$RECSYS_SERVE_DIR/gateway_token`` (default ``runs/serve/gateway_token``, written by ``make
+    serve``) when it exists, else no token."""
+    tls_ca: str = env_field("RECSYS_CLIENT_TLS_CA", "")
+    """CA certificates (PEM; several files comma-separated) to verify a TLS gateway with; setting
+    it turns TLS on. Empty with ``tls`` = the system's roots."""
+    tls_cert: str = env_field("RECSYS_CLIENT_TLS_CERT", "")
+    """Client certificate chain (PEM) for a gateway with mutual TLS; needs ``tls_key``."""
+    tls_key: str = env_field("RECSYS_CLIENT_TLS_KEY", "")
+    """Private key of ``tls_cert`` (PEM)."""
+    tls_server_name: str = env_field("RECSYS_CLIENT_TLS_SERVER_NAME", "")
+    """Name the gateway's certificate must carry when it differs from the host dialled (e.g.
+    ``gateway`` while dialling 127.0.0.1); empty = the host dialled."""
+    tls: bool = env_field("RECSYS_CLIENT_TLS", False)
+    """TLS even without ``tls_ca`` / ``tls_cert`` (the gateway's certificate is then verified
+    against the system's roots). Off with all of them empty = plaintext."""
+
+    @property
+    def tls_enabled(self) -> bool:
+        return bool(self.tls or self.tls_ca or self.tls_cert)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together (mutual TLS needs both)")
+
+
+@dataclass
+class ClientConfig(ChannelConfig):
     """Score Criteo TSV rows through the gateway."""
 
     data: Path | None = None
@@ -163,15 +197,6 @@ class ClientConfig:
     """The gateway's port."""
     timeout_s: float = 5.0
     """Deadline of each call."""
-    token_file: str = env_field(TOKEN_FILE_ENV, "")
-    """The gateway's token file; empty = ``$RECSYS_SERVE_DIR/gateway_token`` (default
-    ``runs/serve/gateway_token``, written by ``make serve``) when it exists, else no token."""
-    tls_ca: str = ""
-    """CA (PEM) to verify a TLS gateway with; empty = plaintext unless ``tls_cert`` is set."""
-    tls_cert: str = ""
-    """Client certificate (PEM) for a gateway with mutual TLS; needs ``tls_key``."""
-    tls_key: str = ""
-    """Private key of ``tls_cert``."""
 
     @property
     def target(self) -> str:

@@ -3,8 +3,10 @@
 ``python -m serving.tools.client --data rows.tsv`` (``recsys-score``, ``make score``) prints one
 probability per row (with the label when the file has one). Also a library for tests, the
 load generator and the supervisor: :func:`parse_rows`, :func:`build_request`,
-:class:`RankerClient`, :func:`gateway_status`. Serving never imports training: the TSV parser
-here is deliberately small (label optional; 13 ints; 26 hex ids; empty = missing).
+:class:`RankerClient`, :func:`gateway_status`. TLS, mutual TLS and the token: the flags below, or
+``RECSYS_CLIENT_TLS_*`` and ``RECSYS_GATEWAY_TOKEN_FILE`` (serving/tools/channel.py). Serving never
+imports training: the TSV parser here is deliberately small (label optional; 13 ints; 26 hex
+ids; empty = missing).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -20,8 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from recsys_stack.config import ConfigError, parse
 from serving.gateway.auth import AuthError, call_metadata, client_token
-from serving.gateway.config import ClientConfig
+from serving.gateway.config import ChannelConfig, ClientConfig
 from serving.stubs import ranker_pb2, ranker_pb2_grpc
+from serving.tools.channel import metadata, open_channel
 
 DENSE = [f"I{i}" for i in range(1, 14)]
 SPARSE = [f"C{i}" for i in range(1, 27)]
@@ -87,39 +89,25 @@ def build_request(
     )
 
 
-def channel_credentials(cfg: ClientConfig) -> grpc.ChannelCredentials | None:
-    """TLS credentials from ``cfg.tls_*`` (None = plaintext); a client cert for mutual TLS."""
-    if not (cfg.tls_ca or cfg.tls_cert):
-        return None
-    if bool(cfg.tls_cert) != bool(cfg.tls_key):
-        raise ValueError("tls_cert and tls_key go together")
-
-    def pem(path: str) -> bytes | None:
-        return Path(path).read_bytes() if path else None
-
-    return grpc.ssl_channel_credentials(pem(cfg.tls_ca), pem(cfg.tls_key), pem(cfg.tls_cert))
-
-
 class RankerClient:
-    """Blocking client; ``score`` returns float32[B]. ``token``: the gateway's bearer token
-    (None = :func:`serving.gateway.auth.client_token`: ``RECSYS_GATEWAY_TOKEN_FILE`` or the file
-    ``make serve`` writes, when there is one; "" = none); ``credentials``: TLS (None =
-    plaintext)."""
+    """Blocking client; ``score`` returns float32[B]. ``channel``: TLS and the token file
+    (:mod:`serving.tools.channel`; None = plaintext); ``token``: the bearer token to send (None =
+    ``channel``'s, else :func:`serving.gateway.auth.client_token`: ``RECSYS_GATEWAY_TOKEN_FILE``
+    or the file ``make serve`` writes, when there is one; "" = none)."""
 
     def __init__(
         self,
         target: str,
         timeout: float = 5.0,
         token: str | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
+        channel: ChannelConfig | None = None,
     ) -> None:
-        if credentials is None:
-            self.channel = grpc.insecure_channel(target)
-        else:
-            self.channel = grpc.secure_channel(target, credentials)
+        self.channel = open_channel(target, channel)
         self.stub = ranker_pb2_grpc.RankerStub(self.channel)
         self.timeout = timeout
-        self.metadata = call_metadata(client_token() if token is None else token)
+        if token is None:
+            token = client_token(channel.token_file if channel is not None else "")
+        self.metadata = call_metadata(token)
 
     def score(self, request: ranker_pb2.ScoreRequest) -> np.ndarray:
         reply = self.stub.Score(request, timeout=self.timeout, metadata=self.metadata)
@@ -129,19 +117,27 @@ class RankerClient:
         self.channel.close()
 
 
-def gateway_status(
-    target: str, timeout: float = 1.0, metadata: tuple[tuple[str, str], ...] = ()
-) -> str:
-    """SERVING / NOT_SERVING / UNREACHABLE of the gateway's grpc.health.v1 service
-    (``metadata``: a bearer token, for a gateway with ``auth.protect_health``)."""
-    try:
-        with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout, metadata=metadata
-            )
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
-    except grpc.RpcError:
-        return "UNREACHABLE"
+def health(
+    target: str, timeout: float = 1.0, channel: ChannelConfig | None = None
+) -> tuple[str, str]:
+    """``(status, why)`` of the gateway's grpc.health.v1 service: SERVING / NOT_SERVING /
+    UNREACHABLE, and for UNREACHABLE the gRPC code and details (a refused handshake, a missing
+    token). ``channel``: TLS and the token (None = plaintext, no token); a TLS or token file
+    that cannot be read raises AuthError."""
+    with open_channel(target, channel) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout,
+                metadata=metadata(channel),
+            )  # fmt: skip
+        except grpc.RpcError as e:
+            return "UNREACHABLE", f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)), ""
+
+
+def gateway_status(target: str, timeout: float = 1.0, channel: ChannelConfig | None = None) -> str:
+    """SERVING / NOT_SERVING / UNREACHABLE (:func:`health` without the reason)."""
+    return health(target, timeout, channel)[0]
 
 
 def read_rows(cfg: ClientConfig) -> Rows:
@@ -155,9 +151,7 @@ def read_rows(cfg: ClientConfig) -> Rows:
 
 def score_rows(cfg: ClientConfig, rows: Rows) -> Iterable[str]:
     """``index<TAB>probability[<TAB>label=y]`` per row, ``cfg.batch`` rows per request."""
-    client = RankerClient(
-        cfg.target, cfg.timeout_s, client_token(cfg.token_file), channel_credentials(cfg)
-    )
+    client = RankerClient(cfg.target, cfg.timeout_s, channel=cfg)
     try:
         for lo in range(0, len(rows.dense), cfg.batch):
             hi = min(lo + cfg.batch, len(rows.dense))

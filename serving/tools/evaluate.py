@@ -27,9 +27,10 @@ import grpc
 import numpy as np
 
 from recsys_stack.config import ConfigError, env_field, parse, to_dict
+from recsys_stack.metrics import roc_auc  # the one AUC (training's too)
 from recsys_stack.progress import progress
-from serving.gateway.auth import AuthError, client_token
-from serving.gateway.config import GATEWAY_PORT, GATEWAY_PORT_ENV, TOKEN_FILE_ENV
+from serving.gateway.auth import AuthError
+from serving.gateway.config import GATEWAY_PORT, GATEWAY_PORT_ENV, ChannelConfig
 from serving.tools.client import RankerClient, Rows, build_request, parse_rows
 
 logger = logging.getLogger("serving.tools.evaluate")
@@ -37,9 +38,9 @@ EPS = 1e-7  # probabilities are clipped to [EPS, 1 - EPS] in log loss
 
 
 @dataclass
-class EvaluateConfig:
+class EvaluateConfig(ChannelConfig):
     """Score a labelled Criteo TSV through the gateway and report AUC, NE, log loss,
-    calibration."""
+    calibration (TLS and the token: ``--tls-ca``... or ``RECSYS_CLIENT_TLS_*``, as the client)."""
 
     data: Path | None = None
     """Labelled Criteo TSV (label first, 40 tab-separated fields); required."""
@@ -62,13 +63,11 @@ class EvaluateConfig:
     """The gateway's port."""
     timeout_s: float = 30.0
     """Deadline of each request."""
-    token_file: str = env_field(TOKEN_FILE_ENV, "")
-    """The gateway's token file; empty = ``$RECSYS_SERVE_DIR/gateway_token`` (written by
-    ``make serve``, default ``runs/serve/gateway_token``) when it exists, else no token."""
     progress: bool = True
     """Show a progress bar (one line per interval when stderr is not a terminal)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0.0 <= self.holdout < 1.0:
             raise ValueError(f"holdout = {self.holdout}: must be in [0, 1)")
         if self.rows < 0 or self.batch < 1 or self.bins < 1:
@@ -76,23 +75,6 @@ class EvaluateConfig:
 
 
 # --- metrics: pure functions of labels y[N] in {0, 1} and probabilities p[N] -----------------
-
-
-def roc_auc(y: np.ndarray, p: np.ndarray) -> float:
-    """Area under the ROC curve: the Mann-Whitney U statistic, ties counted one half."""
-    y = np.asarray(y).astype(bool)
-    ranks = np.empty(len(p), dtype=np.float64)
-    order = np.argsort(p, kind="mergesort")
-    sorted_p = np.asarray(p)[order]
-    starts = np.flatnonzero(np.r_[True, sorted_p[1:] != sorted_p[:-1]])
-    ends = np.r_[starts[1:], len(p)]
-    for_each = (starts + ends + 1) / 2.0  # average 1-based rank of each run of equal scores
-    ranks[order] = np.repeat(for_each, ends - starts)
-    pos = int(y.sum())
-    neg = len(y) - pos
-    if pos == 0 or neg == 0:
-        raise ValueError(f"AUC needs both labels; the {len(y)} rows have only {int(y[0])}s")
-    return float((ranks[y].sum() - pos * (pos + 1) / 2.0) / (pos * neg))
 
 
 def log_loss(y: np.ndarray, p: np.ndarray) -> float:
@@ -174,7 +156,7 @@ def score_file(cfg: EvaluateConfig, path: Path) -> tuple[np.ndarray, np.ndarray]
     first, count = row_window(path, cfg.holdout, cfg.rows)
     logger.info("scoring rows %d..%d of %s through %s", first + 1, first + count, path,
                 f"{cfg.host}:{cfg.port}")  # fmt: skip
-    client = RankerClient(f"{cfg.host}:{cfg.port}", cfg.timeout_s, client_token(cfg.token_file))
+    client = RankerClient(f"{cfg.host}:{cfg.port}", cfg.timeout_s, channel=cfg)
     labels: list[np.ndarray] = []
     scores: list[np.ndarray] = []
     bar = progress(total=count, desc="evaluate", unit="rows", disable=not cfg.progress)

@@ -10,7 +10,6 @@ A non-loopback host without a token file refuses to start.
 
 from __future__ import annotations
 
-import shutil
 import stat
 import subprocess
 import sys
@@ -229,28 +228,6 @@ def test_client_cli_reads_the_token_file(
 # --- TLS and mutual TLS ------------------------------------------------------------------------
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_certs(d: Path) -> dict[str, Path]:
-    """A throwaway CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
-    if shutil.which("openssl") is None:  # in every Debian/Ubuntu base image
-        pytest.fail("the openssl CLI is needed to make test certificates: apt-get install openssl")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-             "-subj", "/CN=recsys-test-ca", cwd=d)  # fmt: skip
-    (d / "server.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
-    for name in ("server", "client"):
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN=recsys-test-{name}", cwd=d)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
-                 "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
-    return {n: d / n for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
-
-
 def _tls_channel(target: str, certs: dict[str, Path], client_cert: bool) -> grpc.Channel:
     creds = grpc.ssl_channel_credentials(
         root_certificates=certs["ca.pem"].read_bytes(),
@@ -265,9 +242,9 @@ def test_tls_and_mutual_tls(
     mutual: bool,
     torchserve: tuple[TorchServeConfig, subprocess.Popen[bytes]],
     exported: tuple[Path, Path, str],
+    certs: dict[str, Path],
     tmp_path: Path,
 ) -> None:
-    certs = make_certs(tmp_path)
     export, _, _ = exported
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{T1}\n")

@@ -1,0 +1,95 @@
+"""The one way our tools open a channel to the gateway: TLS, mutual TLS and the bearer token.
+
+``make score``, ``make evaluate``, ``make rollout``, the supervisor (its wait for SERVING and
+``make status``), the container healthcheck and the Locust users all connect through
+:func:`open_channel` and send :func:`metadata`, from one
+:class:`~serving.gateway.config.ChannelConfig` read by the project's config loader:
+
+- ``RECSYS_GATEWAY_TOKEN_FILE`` (else ``$RECSYS_SERVE_DIR/gateway_token`` when it exists): the
+  bearer token, sent on every call, health checks included (``auth.protect_health``);
+- ``RECSYS_CLIENT_TLS_CA``: CA bundle(s) the gateway's certificate must chain to (TLS on);
+  ``RECSYS_CLIENT_TLS`` = true: TLS against the system's roots;
+- ``RECSYS_CLIENT_TLS_CERT`` / ``_KEY``: the client certificate for mutual TLS;
+- ``RECSYS_CLIENT_TLS_SERVER_NAME``: the name to verify when it is not the host dialled.
+
+A tool that knows the gateway's own config (the supervisor, rollout, the container
+healthcheck) completes these with :func:`for_gateway`. Imports grpc only (no health or
+reflection packages): the Locust image uses this module too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+
+from recsys_stack.config import iter_keys, load
+from serving.gateway.auth import call_metadata, client_token, read_pem
+from serving.gateway.config import ChannelConfig, GatewayConfig
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> ChannelConfig:
+    """The channel settings of the environment (``RECSYS_CLIENT_TLS_*``, the token file)."""
+    return load(ChannelConfig, environ=environ)
+
+
+def plaintext_env() -> dict[str, str]:
+    """Variables that turn the TLS settings off, for a child process dialling a plaintext server."""
+    return {k.env: "" for k in iter_keys(ChannelConfig) if k.env and k.path.startswith("tls")}
+
+
+def credentials(cfg: ChannelConfig) -> grpc.ChannelCredentials | None:
+    """TLS credentials for ``cfg`` (None = plaintext); raises AuthError naming a bad file."""
+    if not cfg.tls_enabled:
+        return None
+    roots = b"".join(read_pem("tls_ca", p.strip()) for p in cfg.tls_ca.split(",") if p.strip())
+    key = read_pem("tls_key", cfg.tls_key) if cfg.tls_key else None
+    chain = read_pem("tls_cert", cfg.tls_cert) if cfg.tls_cert else None
+    return grpc.ssl_channel_credentials(roots or None, key, chain)
+
+
+def open_channel(
+    target: str, cfg: ChannelConfig | None = None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.Channel:
+    """A blocking channel to ``target``: TLS when ``cfg`` asks for it (None = plaintext)."""
+    creds = credentials(cfg) if cfg is not None else None
+    if creds is None:
+        return grpc.insecure_channel(target, options=list(options))
+    assert cfg is not None
+    name = [("grpc.ssl_target_name_override", cfg.tls_server_name)] if cfg.tls_server_name else []
+    return grpc.secure_channel(target, creds, options=[*options, *name])
+
+
+def metadata(cfg: ChannelConfig | None) -> Metadata:
+    """``authorization: Bearer <token>`` for ``cfg``'s token (empty without one, or ``cfg``)."""
+    return call_metadata(client_token(cfg.token_file)) if cfg is not None else ()
+
+
+def channel_fields(cfg: ChannelConfig) -> dict[str, Any]:
+    """``cfg``'s channel settings as keyword arguments (for a config that extends them)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ChannelConfig)}
+
+
+def for_gateway(cfg: ChannelConfig, gateway: GatewayConfig) -> ChannelConfig:
+    """``cfg`` for a gateway whose own config is known (the one ``make serve`` started, the
+    container's): plaintext when its TLS is off, whatever ``cfg`` says. With TLS on, what
+    ``cfg`` leaves empty comes from the gateway's files: the CA = its certificate chain plus its
+    ``client_ca`` (enough for a self-signed certificate, or one CA issuing both), the client
+    certificate for mutual TLS = its own certificate and key (accepted when it chains to
+    ``client_ca`` and may be used by clients). The token file defaults to its
+    ``auth.token_file``."""
+    token_file = cfg.token_file or gateway.auth.token_file
+    tls = gateway.tls
+    if not tls.enabled:
+        return ChannelConfig(token_file=token_file)
+    ca = cfg.tls_ca or ("" if cfg.tls else ",".join(p for p in (tls.cert, tls.client_ca) if p))
+    cert, key = cfg.tls_cert, cfg.tls_key  # set together (ChannelConfig checks)
+    if not cert and tls.client_ca:
+        cert, key = tls.cert, tls.key
+    return dataclasses.replace(
+        cfg, token_file=token_file, tls=True, tls_ca=ca, tls_cert=cert, tls_key=key
+    )
