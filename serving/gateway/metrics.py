@@ -21,9 +21,12 @@ Exported (prefix ``recsys_gateway_``):
 - ``model_info{model_name,model_version}``: each served version (always 1);
   ``version_traffic_ratio{model_version}``: its share of the requests that name no version;
   ``plan_generation{plan}``: the serving plan applied, by plan file (serving/gateway/plan.py).
-- ``version_requests_total{model_version}``, ``scores{model_version}`` (histogram of each
-  request's mean click probability): traffic and predicted CTR per version, to compare a
-  canary with the default while a rollout shifts traffic.
+- ``version_requests_total{model_version,code}``: requests per version by the status code its
+  scoring ended with (OK, or the backend failure's: INTERNAL, UNAVAILABLE, DEADLINE_EXCEEDED;
+  refusals before a version is chosen are not counted here); ``scores{model_version}``
+  (histogram of each OK request's mean click probability): traffic, errors and predicted CTR
+  per version, to compare a canary with the default while a rollout shifts traffic (the
+  rollout's error gate reads them, serving/tools/canary.py).
 """
 
 from __future__ import annotations
@@ -111,14 +114,15 @@ class GatewayMetrics:
             "(absolute path; empty: no plan file)", ["plan"], registry=r,
         )  # fmt: skip
         self.version_requests = Counter(
-            f"{PREFIX}_version_requests", "scored requests per model version",
-            ["model_version"], registry=r,
+            f"{PREFIX}_version_requests", "requests per model version, by the status code "
+            "their scoring ended with", ["model_version", "code"], registry=r,
         )  # fmt: skip
         self.scores = Histogram(
             f"{PREFIX}_scores", "mean click probability of each request, per model version",
             ["model_version"], buckets=[i / 20 for i in range(1, 21)], registry=r,
         )  # fmt: skip
         self._by_version: dict[str, tuple[Any, Any]] = {}
+        self._failed: dict[tuple[str, Any], Any] = {}
 
     def show_plan(self, model: str, versions: Iterable[str], shares: dict[str, float],
                   generation: int, plan_file: str = "") -> None:  # fmt: skip
@@ -188,12 +192,22 @@ def scored(version: str, scores: Any) -> None:
         children = _current._by_version.get(version)
         if children is None:
             children = _current._by_version[version] = (
-                _current.version_requests.labels(version),
+                _current.version_requests.labels(version, "OK"),
                 _current.scores.labels(version),
             )
         children[0].inc()
         if len(scores):  # one observation per request, not per example: the hot path
             children[1].observe(float(scores.mean()))
+
+
+def failed(version: str, code: grpc.StatusCode) -> None:
+    """A request for ``version`` whose scoring failed with ``code`` (its backend's failure)."""
+    if _current is not None:
+        child = _current._failed.get((version, code))
+        if child is None:
+            child = _current.version_requests.labels(version, code.name)
+            _current._failed[(version, code)] = child
+        child.inc()
 
 
 def rejected(reason: str) -> None:
@@ -301,5 +315,5 @@ def start_server(m: GatewayMetrics, host: str, port: int) -> MetricsServer | Non
 
 __all__ = [
     "GatewayMetrics", "MetricsInterceptor", "MetricsServer", "backend_call", "configure",
-    "examples", "failover", "rejected", "scored", "show_plan", "start_server",
+    "examples", "failed", "failover", "rejected", "scored", "show_plan", "start_server",
 ]  # fmt: skip

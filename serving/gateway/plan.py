@@ -13,17 +13,26 @@ Every version of one model shares the request contract (dense and sparse feature
 order): clients do not change when the model does. A new feature set is a new model name.
 
 Writes are atomic (a temporary file renamed over the old): a reader sees the old plan or the
-new one, never half of one. ``generation`` grows with every write.
+new one, never half of one. ``generation`` grows by one with every write, across restarts too,
+and writers never lose each other's updates: each write holds an exclusive lock
+(``.plan.json.lock`` beside the file, ``flock``) while it reads the file's generation and
+renames the new file in. :func:`save` is a compare-and-swap (the plan must be the next
+generation of the one in the file: a rollout working from a plan someone else replaced since
+stops with :class:`PlanConflict`); :func:`update` is a read-modify-write (``make serve`` starts
+one generation past the file it finds). The gateway ignores a plan older than the one it
+applied.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import random
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +46,10 @@ logger = logging.getLogger("serving.gateway.plan")
 
 class PlanError(ValueError):
     """A plan file or a plan change that cannot be served; the message names the problem."""
+
+
+class PlanConflict(PlanError):
+    """A write based on a plan that another writer has replaced since (a lost update)."""
 
 
 @dataclass(frozen=True)
@@ -175,13 +188,66 @@ def load(path: Path) -> Plan:
     return Plan.from_json(raw, str(path))
 
 
-def save(plan: Plan, path: Path) -> None:
-    """Write ``plan`` atomically (readers see the old file or the new one)."""
-    path = Path(path)
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """The plan file's write lock for the block (``flock`` on ``.<name>.lock`` beside it: one
+    holder at a time across processes and threads; released when its descriptor closes, so a
+    writer that dies holds nothing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def file_generation(path: Path) -> int | None:
+    """The generation recorded in ``path`` (None: no file, or none readable in it)."""
+    try:
+        return int(json.loads(Path(path).read_text())["generation"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _replace(plan: Plan, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one writer at a time: the lock
     tmp.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def save(plan: Plan, path: Path) -> None:
+    """Write ``plan`` atomically (readers see the old file or the new one) if it is the next
+    generation of the plan in the file (or the file has none): :class:`PlanConflict` when
+    another writer got there first, whose update this write would undo."""
+    path = Path(path)
+    with locked(path):
+        now = file_generation(path)
+        if now is not None and plan.generation != now + 1:
+            raise PlanConflict(
+                f"{path}: plan {plan.generation} was made from plan {plan.generation - 1}, but "
+                f"the file is at plan {now}: another writer (a rollout, `make serve`) changed "
+                "it meanwhile; nothing written (`make status`, then run again)"
+            )
+        _replace(plan, path)
+
+
+def update(path: Path, change: Callable[[Plan | None], Plan]) -> Plan:
+    """Read-modify-write under the lock: ``change`` gets the plan in the file (None: no file,
+    or not a plan) and returns the new one, written one generation past the file's (its own
+    generation when the file has none); returns what was written."""
+    path = Path(path)
+    with locked(path):
+        try:
+            current: Plan | None = load(path)
+        except PlanError:
+            current = None
+        new = change(current)
+        now = file_generation(path)
+        if now is not None:
+            new = replace(new, generation=now + 1)
+        _replace(new, path)
+        return new
 
 
 def version_from_schema(raw: dict[str, Any], mar: str) -> tuple[str, str, Version]:
@@ -224,13 +290,15 @@ def ordered(plan: Plan) -> Iterable[str]:
 
 class PlanWatcher:
     """Re-reads the serving plan file when it changes (mtime, size); a plan that cannot be
-    served here (unreadable, another model, another request contract) is logged once and the
-    gateway keeps the plan it has."""
+    served here (unreadable, another model, another request contract, a generation older than
+    the one applied) is logged once and the gateway keeps the plan it has."""
 
     def __init__(self, path: Path, schema: Schema) -> None:
         self.path = path
         self.schema = schema
         self._stamp: tuple[int, int] | None = None
+        self.generation: int | None = None
+        """Generation of the last plan :meth:`load` returned (the one applied)."""
 
     def check(self, p: Plan) -> Plan:
         if p.model != self.schema.model_name or (p.dense, p.sparse) != (
@@ -255,7 +323,14 @@ class PlanWatcher:
         """The plan now in the file, checked for this gateway (:class:`PlanError` if it cannot
         be served); :meth:`poll` returns nothing new until the file changes again."""
         self._stamp = self._stat()  # before reading: a write meanwhile is seen by the next poll
-        return self.check(load(self.path))
+        p = self.check(load(self.path))
+        if self.generation is not None and p.generation < self.generation:
+            raise PlanError(
+                f"{self.path}: plan {p.generation} is older than plan {self.generation}, "
+                "applied already (a stale write)"
+            )
+        self.generation = p.generation
+        return p
 
     def poll(self) -> Plan | None:
         """The plan if the file changed since the last load (first call: always), else None."""

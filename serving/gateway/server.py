@@ -132,6 +132,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         examples = int(arrays[0].shape[0])
         metrics.examples(examples)
         self.admission.admit(examples, time_remaining)  # raises ScoreError: refused at once
+        error: ScoreError | None = None  # the version's failure: counted by status code
         try:
             if self.cfg.coalesce.enabled:
                 scores, backend = await self._coalescer(version).score(arrays, time_remaining)
@@ -139,17 +140,18 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
                 metrics.backend_call(1, examples)
                 scores, backend = await self._send(version, arrays, time_remaining)
         except BackendError as e:
-            raise ScoreError(e.code, e.message) from e
+            error = ScoreError(e.code, e.message)
         except Expired as e:
-            raise ScoreError(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from e
-        except CodecError as e:  # includes the handler refusing a request we validated: a bug
-            raise ScoreError(
-                grpc.StatusCode.INTERNAL, f"TorchServe's reply does not decode: {e}"
-            ) from e
+            error = ScoreError(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except CodecError as e:  # includes the handler refusing a request: e.g. its model raised
+            error = ScoreError(grpc.StatusCode.INTERNAL, f"TorchServe's reply does not decode: {e}")
         except ScoreCountError as e:
-            raise ScoreError(grpc.StatusCode.INTERNAL, f"TorchServe returned {e}") from e
+            error = ScoreError(grpc.StatusCode.INTERNAL, f"TorchServe returned {e}")
         finally:
             self.admission.release(examples)
+        if error is not None:
+            metrics.failed(version, error.code)
+            raise error
         metrics.scored(version, scores)
         return scores, backend, version
 

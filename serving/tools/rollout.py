@@ -12,8 +12,9 @@
    ``--margin``, it is **refused**: removed from the plan and unregistered; the default keeps
    all traffic, and the command exits 1;
 4. **shift** the requests that name no version in ``--steps`` (default 5% -> 50% -> 100%),
-   ``--dwell-s`` at each, checking that the candidate stays ready (the gateway's
-   ``version_requests_total`` / ``scores`` metrics show each version's traffic and mean CTR);
+   ``--dwell-s`` at each, checking that the candidate stays ready and that its error ratio
+   (the gateway's ``version_requests_total{model_version,code}``) exceeds the default's by at
+   most ``--max-error-excess``, else it is **refused** as in 3 (serving/tools/canary.py);
 5. **promote**: the candidate becomes the plan's (and TorchServe's) default; the old default
    is recorded as ``previous``;
 6. **drain and unregister** the old default: out of the plan first (the gateway stops routing
@@ -34,7 +35,6 @@ import json
 import logging
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +44,13 @@ import grpc
 
 from recsys_stack.config import ConfigError, env_field, parse
 from serving.gateway import plan as plan_io
-from serving.gateway.auth import AuthError, call_metadata, client_token
-from serving.gateway.config import GatewayConfig
+from serving.gateway.auth import AuthError
+from serving.gateway.config import ChannelConfig, GatewayConfig
 from serving.gateway.plan import Plan, PlanError
 from serving.stubs import kserve_pb2, kserve_pb2_grpc
+from serving.tools import canary
 from serving.tools import evaluate as ev
+from serving.tools.channel import channel_fields, for_gateway, metadata, open_channel
 from serving.tools.supervisor import WORKDIR, gateway_config, local_target, read_state, replicas
 from serving.torchserve import manage
 from serving.torchserve.config import TorchServeConfig
@@ -57,8 +59,10 @@ logger = logging.getLogger("serving.tools.rollout")
 
 
 @dataclass
-class RolloutConfig:
-    """Roll a model version out on the running stack, evaluated and step by step (or back)."""
+class RolloutConfig(ChannelConfig):
+    """Roll a model version out on the running stack, evaluated and step by step (or back).
+    TLS and the token: as in every tool (``--tls-ca``, ``RECSYS_CLIENT_TLS_*``, ...), what is
+    left empty comes from the running gateway's config (serving/tools/channel.py)."""
 
     version: str = ""
     """The version to roll out: ``<model>-<version>.mar`` in the model store (`make export
@@ -83,6 +87,11 @@ class RolloutConfig:
     (negative: it must beat the default by at least that much)."""
     steps: list[int] = field(default_factory=lambda: [5, 50, 100])
     """Percent of the requests naming no version sent to the candidate, step by step."""
+    max_error_excess: float = 0.01
+    """Refuse the candidate when, in the traffic steps, its error ratio (non-OK requests /
+    requests, the gateway's metrics) exceeds the default's by more than this (0.01: 1 point)."""
+    error_min_requests: int = 20
+    """Candidate requests in the traffic steps before its error ratio is judged."""
     rollback_steps: list[int] = field(default_factory=lambda: [100])
     """The steps of ``rollback``."""
     dwell_s: float = 10.0
@@ -92,12 +101,11 @@ class RolloutConfig:
     before it is unregistered."""
     timeout_s: float = 240.0
     """Longest wait for a replica to load a version, or for the gateway to apply a plan."""
-    token_file: str = ""
-    """The gateway's token file; empty = the one the running gateway uses."""
     progress: bool = True
     """Progress bar while evaluating."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("steps", "rollback_steps"):
             steps = getattr(self, name)
             if not steps or steps[-1] != 100 or any(not 0 < s <= 100 for s in steps):
@@ -117,7 +125,7 @@ class Stack:
     replicas: list[TorchServeConfig]
     gateway: GatewayConfig
     plan_file: Path
-    metadata: tuple[tuple[str, str], ...]
+    channel: ChannelConfig
 
     @classmethod
     def find(cls, cfg: RolloutConfig) -> Stack:
@@ -128,8 +136,7 @@ class Stack:
             raise RolloutError(
                 f"nothing is serving from {cfg.workdir} (start it with `make serve`)"
             )
-        token = client_token(cfg.token_file or gw.auth.token_file)
-        return cls(reps, gw, Path(state["plan"]), call_metadata(token))
+        return cls(reps, gw, Path(state["plan"]), for_gateway(cfg, gw))
 
     @property
     def target(self) -> str:
@@ -141,8 +148,9 @@ class Gateway:
 
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
-        self.channel = grpc.insecure_channel(stack.target)
+        self.channel = open_channel(stack.target, stack.channel)
         self.stub = kserve_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        self.metadata = metadata(stack.channel)
 
     def close(self) -> None:
         self.channel.close()
@@ -152,7 +160,7 @@ class Gateway:
         try:
             reply = self.stub.ModelReady(
                 kserve_pb2.ModelReadyRequest(name=model, version=version),
-                metadata=self.stack.metadata, timeout=5,
+                metadata=self.metadata, timeout=5,
             )  # fmt: skip
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
@@ -160,25 +168,24 @@ class Gateway:
             raise
         return bool(reply.ready)
 
-    def generation(self) -> int | None:
-        """The generation of this stack's plan file the gateway applied (None: its metrics are
-        off, or the metrics port answers for another gateway, whose plan file differs)."""
+    def metrics(self) -> str | None:
+        """The gateway's ``/metrics`` text (None: its metrics are off or do not answer)."""
         m = self.stack.gateway.metrics
         if not m.port:
             return None
         host = "127.0.0.1" if (m.host or self.stack.gateway.host) in ("", "0.0.0.0") else m.host
-        try:
-            with urllib.request.urlopen(
-                f"http://{host or '127.0.0.1'}:{m.port}/metrics", timeout=5
-            ) as r:
-                text = r.read().decode()
-        except OSError:
-            return None
-        mine = f'recsys_gateway_plan_generation{{plan="{self.stack.plan_file.resolve()}"}} '
-        for line in text.splitlines():
-            if line.startswith(mine):
-                return int(float(line.rsplit(" ", 1)[1]))
-        return None
+        return canary.scrape(f"http://{host or '127.0.0.1'}:{m.port}/metrics")
+
+    def generation(self) -> int | None:
+        """The generation of this stack's plan file the gateway applied (None: its metrics are
+        off, or the metrics port answers for another gateway, whose plan file differs)."""
+        text = self.metrics()
+        return None if text is None else canary.plan_generation(text, self.stack.plan_file)
+
+    def outcomes(self) -> canary.Outcomes | None:
+        """Requests and errors per version so far (None: metrics off)."""
+        text = self.metrics()
+        return None if text is None else canary.outcomes(text)
 
     def wait(self, what: str, done: Callable[[], bool], timeout: float) -> None:
         t0 = time.monotonic()
@@ -216,29 +223,10 @@ def evaluate_version(cfg: RolloutConfig, stack: Stack, version: str) -> dict[str
     host, port = stack.target.rsplit(":", 1)
     ecfg = ev.EvaluateConfig(
         data=cfg.eval_data, version=version, holdout=cfg.holdout, rows=cfg.eval_rows,
-        host=host, port=int(port), token_file=cfg.token_file or stack.gateway.auth.token_file,
-        progress=cfg.progress,
+        host=host, port=int(port), progress=cfg.progress, **channel_fields(stack.channel),
     )  # fmt: skip
     y, p = ev.score_file(ecfg, cfg.eval_data)
     return ev.metrics(y, p, ecfg.bins)
-
-
-def compare(base: dict[str, Any], cand: dict[str, Any], margin: float) -> tuple[bool, str]:
-    """``(accept, table)``: the candidate passes when its AUC is at least the default's minus
-    ``margin``."""
-    rows = [("AUC", "auc"), ("NE", "normalized_entropy"), ("log loss", "log_loss"),
-            ("calibration", "calibration")]  # fmt: skip
-    lines = [f"  {'':12} {'default':>10} {'candidate':>10} {'delta':>10}"]
-    for label, key in rows:
-        a, b = float(base[key]), float(cand[key])
-        lines.append(f"  {label:12} {a:10.5f} {b:10.5f} {b - a:+10.5f}")
-    change = float(cand["auc"]) - float(base["auc"])
-    ok = change >= -margin
-    lines.append(
-        f"  AUC change {change:+.5f}, allowed down to {-margin:+g}: "
-        f"{'accepted' if ok else 'refused'}"
-    )
-    return ok, "\n".join(lines)
 
 
 def register_everywhere(
@@ -321,7 +309,7 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
             say(f"[3/6] evaluate v{old} and v{target} through the gateway on {cfg.eval_data}")
             base = evaluate_version(cfg, stack, old)
             cand = evaluate_version(cfg, stack, target)
-            ok, table = compare(base, cand, cfg.margin)
+            ok, table = canary.compare(base, cand, cfg.margin)
             say(table)
             report["evaluation"] = {"default": base, "candidate": cand, "margin": cfg.margin}
             if not ok:
@@ -332,6 +320,8 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
         else:
             say("[3/6] evaluation skipped" + (" (rollback)" if cfg.rollback else ""))
         steps = cfg.rollback_steps if cfg.rollback else cfg.steps
+        gate = canary.ErrorGate(old, target, cfg.max_error_excess, cfg.error_min_requests,
+                                gw.outcomes())  # fmt: skip
         for pct in steps:
             if pct == 100:
                 break
@@ -340,14 +330,25 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
                 plan.with_changes(traffic={old: 100 - pct, target: pct}), stack, gw, cfg.timeout_s
             )
             t0 = time.monotonic()
-            while time.monotonic() - t0 < cfg.dwell_s:
+            while True:  # readiness and errors looked at every 0.5 s, at least once a step
                 if not gw.ready(plan.model, target):
                     plan = write(plan.with_changes(traffic={}), stack, gw, cfg.timeout_s)
                     raise RolloutError(
                         f"v{target} left rotation at {pct}%: all traffic back to v{old}; "
                         f"`make rollout VERSION={target}` to retry or roll it out of the plan"
                     )
+                go_on, seen = gate.check(gw.outcomes())
+                if not go_on:
+                    say(f"error gate: {seen}")
+                    say(f"refused: v{target} is withdrawn; v{old} keeps all traffic")
+                    report["error_gate"] = seen
+                    plan = withdraw(plan, target, cfg, stack, gw)  # its traffic goes with it
+                    report["plan"] = plan.to_json()
+                    return report
+                if time.monotonic() - t0 >= cfg.dwell_s:
+                    break
                 time.sleep(0.5)
+            say(f"  {seen}")
         say(f"[5/6] promote v{target} to default (previous: v{old})")
         for ts in stack.replicas:
             manage.set_default(ts, plan.model, target)

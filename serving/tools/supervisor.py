@@ -38,11 +38,12 @@ from recsys_stack.config import (
     to_dict,
 )
 from serving.gateway import plan as plan_io
-from serving.gateway.auth import AuthError, call_metadata, client_token, write_token_file
-from serving.gateway.config import TOKEN_FILE_NAME, GatewayConfig
+from serving.gateway.auth import AuthError, write_token_file
+from serving.gateway.config import TOKEN_FILE_NAME, ChannelConfig, GatewayConfig
 from serving.gateway.plan import PLAN_FILE
 from serving.gateway.validate import Schema
-from serving.tools.client import gateway_status
+from serving.tools.channel import for_gateway
+from serving.tools.client import health
 from serving.torchserve import manage, process
 from serving.torchserve.config import TorchServeConfig, on_free_ports, resolve_model
 
@@ -68,6 +69,10 @@ class ServeConfig:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     """The gateway in front of it (backend and key_file are set from [torchserve]; its
     auth.token_file defaults to ``<workdir>/gateway_token``, created mode 0600 if missing)."""
+    client: ChannelConfig = field(default_factory=ChannelConfig)
+    """How ``start`` and ``status`` reach the gateway (``RECSYS_CLIENT_TLS_*``); with the
+    gateway's TLS on, what is left empty comes from its [gateway.tls] files
+    (serving/tools/channel.py ``for_gateway``)."""
 
 
 class AlreadyRunning(RuntimeError):
@@ -109,15 +114,19 @@ def wait_serving(
     target: str,
     proc: subprocess.Popen[bytes],
     timeout: float,
-    metadata: tuple[tuple[str, str], ...] = (),
+    channel: ChannelConfig | None = None,
 ) -> float:
-    """Block until the gateway at ``target`` is SERVING; returns the seconds waited."""
+    """Block until the gateway at ``target`` is SERVING (``channel``: TLS and token, None =
+    plaintext); returns the seconds waited. A timeout names the last answer."""
     t0 = time.monotonic()
-    while gateway_status(target, metadata=metadata) != "SERVING":
+    while (answer := health(target, channel=channel))[0] != "SERVING":
         if proc.poll() is not None:
             raise RuntimeError(f"the gateway exited with code {proc.returncode}")
         if time.monotonic() - t0 > timeout:
-            raise RuntimeError(f"the gateway at {target} was not SERVING after {timeout:.0f}s")
+            last = f"{answer[0]}: {answer[1]}" if answer[1] else answer[0]
+            raise RuntimeError(
+                f"the gateway at {target} was not SERVING after {timeout:.0f}s (last: {last})"
+            )
         time.sleep(0.3)
     return time.monotonic() - t0
 
@@ -209,7 +218,8 @@ def replica_configs(cfg: ServeConfig, schema: Schema, plan_file: Path) -> list[T
 
 def start(cfg: ServeConfig) -> str:
     """Start TorchServe (every replica), then the gateway; returns a one-line summary. Stops
-    everything on failure. The serving plan starts with the schema's one version."""
+    everything on failure. The serving plan starts with the schema's one version (its
+    generation continues from the plan file's, if one is there)."""
     try:
         schema = Schema.load(cfg.gateway.schema)
     except (OSError, KeyError, ValueError) as e:
@@ -231,7 +241,8 @@ def start(cfg: ServeConfig) -> str:
                 f"{mar} holds {served.model} v{served.default}, not {ts.model_name} "
                 f"v{ts.model_version}"
             )
-        plan_io.save(served, plan_file)
+        # one generation past the plan a previous run left: generations only ever increase
+        plan_io.update(plan_file, lambda _: served)
         started: list[dict[str, Any]] = []
         procs = []
         for r in reps:  # recorded one by one: a failed start stops those already started
@@ -252,8 +263,7 @@ def start(cfg: ServeConfig) -> str:
         )
         gateway = launch_gateway(gw, cfg.workdir / GATEWAY_LOG)
         _write_state(cfg.workdir, gateway_pid=gateway.pid, gateway=to_dict(gw))
-        token = call_metadata(client_token(str(token_file)))
-        wait_serving(local_target(gw), gateway, cfg.timeout_s, token)
+        wait_serving(local_target(gw), gateway, cfg.timeout_s, for_gateway(cfg.client, gw))
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         stop(cfg.workdir)
         raise RuntimeError(f"{e}\n(logs: {cfg.workdir}, {ts.workdir})") from None
@@ -283,8 +293,9 @@ def stop(workdir: Path, timeout: float = 30.0) -> list[str]:
     return sorted(alive)
 
 
-def status(workdir: Path) -> tuple[int, str]:
-    """``(exit code, report)``: 0 serving, 2 degraded, 3 not running."""
+def status(workdir: Path, client: ChannelConfig | None = None) -> tuple[int, str]:
+    """``(exit code, report)``: 0 serving, 2 degraded, 3 not running (``client``: how to reach
+    the gateway, completed from its recorded config)."""
     alive = running(workdir)
     if not alive:
         return 3, f"not running ({workdir})"
@@ -299,13 +310,14 @@ def status(workdir: Path) -> tuple[int, str]:
     gw = gateway_config(workdir)
     if gw is not None:
         target = local_target(gw)
-        try:  # health is open by default; a token only matters with auth.protect_health
-            token = call_metadata(client_token(gw.auth.token_file)) if gw.auth.token_file else ()
-        except AuthError:
-            token = ()
-        health = gateway_status(target, metadata=token) if "gateway" in alive else "STOPPED"
-        ok &= health == "SERVING"
-        lines.append(f"gateway {target}: {health}")
+        answer = ("STOPPED", "")
+        try:
+            if "gateway" in alive:
+                answer = health(target, channel=for_gateway(client or ChannelConfig(), gw))
+        except AuthError as e:  # a TLS or token file it cannot read
+            answer = ("UNREACHABLE", str(e))
+        ok &= answer[0] == "SERVING"
+        lines.append(f"gateway {target}: {answer[0]}" + (f" ({answer[1]})" if answer[1] else ""))
     state = read_state(workdir)
     if state.get("plan"):
         try:
@@ -348,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stopped = stop(cfg.workdir, cfg.timeout_s)
             print(f"stopped {', '.join(stopped)}" if stopped else f"not running ({cfg.workdir})")
             return 0
-        code, report = status(cfg.workdir)
+        code, report = status(cfg.workdir, cfg.client)
         print(report)
         return code
     except (ConfigError, AlreadyRunning, FileNotFoundError) as e:  # nothing was started

@@ -9,6 +9,9 @@ TorchServe 0.12's token authorization is kept ON (every call carries ``authoriza
 that ``make rollout`` can add a version without a restart: the management API binds to
 ``host`` (loopback by default, the internal network in compose) and needs the management key,
 which only the operator's tools read (the gateway holds the inference key alone).
+``allowed_urls`` keeps that API to the model store: an http(s) or file URL elsewhere is refused
+(:func:`allowed_urls`), so the management key cannot fetch an archive (handler code) from
+anywhere else.
 
 With ``plan`` set (``serving/gateway/plan.py``, written by ``make serve`` and ``make rollout``), every
 version in the plan is registered at start with the plan's default as TorchServe's default: a
@@ -199,6 +202,35 @@ def version_settings(cfg: TorchServeConfig) -> dict[str, object]:
     }
 
 
+def java_regex_literal(text: str) -> str:
+    """``text`` as a Java regex matching exactly it: letters, digits, ``/`` and ``_`` as they
+    are, other ASCII punctuation backslashed, the rest (comma: TorchServe splits
+    ``allowed_urls`` on it; spaces, non-ASCII) as ``\\x{hex}``."""
+    out = []
+    for c in text:
+        if c.isascii() and (c.isalnum() or c in "/_"):
+            out.append(c)
+        elif c.isascii() and c.isprintable() and c not in ", ":
+            out.append("\\" + c)
+        else:
+            out.append(f"\\x{{{ord(c):x}}}")
+    return "".join(out)
+
+
+def allowed_urls(cfg: TorchServeConfig) -> str:
+    """TorchServe's ``allowed_urls``: the URLs its model API may register an archive from.
+
+    TorchServe matches the list (comma-separated Java regexes, case-insensitive) against a
+    ``url`` that looks like a URL (``http(s)://``, ``file://``) and downloads what matches into
+    the store; its default, ``file://.*|http(s)?://.*``, lets the management key install handler
+    code from any server. A bare file name (what ``make rollout`` registers,
+    serving/torchserve/manage.py) is no URL: TorchServe opens that file in the model store
+    without matching it. The one pattern here admits a ``file://`` URL of an archive directly in
+    the model store (case-sensitive, no ``%`` escapes, no sub-folder) and nothing else."""
+    store = java_regex_literal(str(cfg.model_store.resolve()))
+    return f"(?-i)file://{store}/[\\w.-]+\\.mar"
+
+
 def properties(cfg: TorchServeConfig) -> dict[str, object]:
     """TorchServe's ``config.properties`` for ``cfg`` (model fields resolved)."""
     store = cfg.model_store.resolve()
@@ -230,6 +262,7 @@ def properties(cfg: TorchServeConfig) -> dict[str, object]:
         "disable_token_authorization": "false",
         "token_expiration_min": cfg.token_expiration_min,
         "enable_model_api": str(cfg.model_api).lower(),
+        "allowed_urls": allowed_urls(cfg),  # the model store only: no archive from elsewhere
         "install_py_dep_per_model": "false",  # the venv is the environment; no pip at load
         "metrics_mode": "prometheus",
         "enable_metrics_api": "true",
@@ -256,6 +289,7 @@ def write_properties(cfg: TorchServeConfig) -> Path:
             raise FileNotFoundError(f"{archive} not found: run `make export` or set mar_file")
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     path = cfg.workdir / "config.properties"
-    body = "".join(f"{k}={v}\n" for k, v in props.items())
+    # Java reads the file as .properties, where a backslash escapes: written doubled
+    body = "".join(f"{k}={str(v).replace(chr(92), chr(92) * 2)}\n" for k, v in props.items())
     path.write_text(f"# written by serving.torchserve; edits are overwritten on start\n{body}")
     return path

@@ -3,13 +3,16 @@ TorchServe config written from it."""
 
 from __future__ import annotations
 
+import functools
 import json
+import multiprocessing
+import threading
 from pathlib import Path
 
 import pytest
 
 from serving.gateway import plan as plan_io
-from serving.gateway.plan import Plan, PlanError, PlanWatcher, Version
+from serving.gateway.plan import Plan, PlanConflict, PlanError, PlanWatcher, Version
 from serving.gateway.validate import Schema
 from serving.torchserve.config import TorchServeConfig, properties, served_versions
 
@@ -56,7 +59,8 @@ def test_save_load_round_trip_and_bad_files(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     plan_io.save(p, path)
     assert plan_io.load(path) == p and p.generation == 1
-    assert [f.name for f in tmp_path.iterdir()] == ["plan.json"]  # no temporary left
+    # no temporary left; the (empty) lock file stays
+    assert sorted(f.name for f in tmp_path.iterdir()) == [".plan.json.lock", "plan.json"]
     path.write_text("{not json")
     with pytest.raises(PlanError, match="unreadable serving plan"):
         plan_io.load(path)
@@ -94,3 +98,67 @@ def test_torchserve_registers_the_plans_versions(tmp_path: Path) -> None:
         "2": ("m-2.mar", True),
     }
     assert props["enable_model_api"] == "true"
+
+
+def _add_cordons(path: Path, who: str, n: int) -> None:
+    """``n`` read-modify-writes of the plan, each adding one entry of its own to ``cordon``."""
+
+    def add(entry: str, p: Plan | None) -> Plan:
+        assert p is not None
+        return p.with_changes(cordon=(*p.cordon, entry))
+
+    for k in range(n):
+        plan_io.update(path, functools.partial(add, f"{who}:{k}"))
+
+
+def test_concurrent_writers_never_lose_an_update(tmp_path: Path) -> None:
+    """Two processes and two threads rewrite the plan at once: every update is in the file."""
+    path = tmp_path / "plan.json"
+    plan_io.save(_plan(), path)
+    n = 40
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=_add_cordons, args=(path, f"p{i}", n)) for i in range(2)]
+    threads = [threading.Thread(target=_add_cordons, args=(path, f"t{i}", n)) for i in range(2)]
+    for w in (*procs, *threads):
+        w.start()
+    for t in threads:
+        t.join()
+    for pr in procs:
+        pr.join()
+        assert pr.exitcode == 0
+    final = plan_io.load(path)
+    want = {f"{w}:{k}" for w in ("p0", "p1", "t0", "t1") for k in range(n)}
+    assert set(final.cordon) == want and len(final.cordon) == 4 * n
+    assert final.generation == 4 * n
+
+
+def test_a_write_from_a_replaced_plan_is_refused(tmp_path: Path) -> None:
+    """Compare-and-swap: two rollouts start from the same plan; the second write would undo
+    the first's, and is refused with nothing written."""
+    path = tmp_path / "plan.json"
+    plan_io.save(_plan(), path)
+    base = plan_io.load(path)
+    first = base.with_changes(traffic={"1": 50, "2": 50})
+    second = base.with_changes(default="2")
+    plan_io.save(first, path)
+    with pytest.raises(PlanConflict, match=r"made from plan 0, but the file is at plan 1"):
+        plan_io.save(second, path)
+    assert plan_io.load(path) == first
+    with pytest.raises(PlanConflict):  # an older generation, too
+        plan_io.save(base, path)
+
+
+def test_generations_only_increase_across_restarts(tmp_path: Path) -> None:
+    """``make serve`` starts one past the file's generation; the gateway ignores older plans."""
+    path = tmp_path / "plan.json"
+    plan_io.save(_plan(generation=7), path)
+    watcher = PlanWatcher(path, Schema("m", "1", DENSE, SPARSE))
+    assert watcher.poll() == _plan(generation=7)
+    restarted = plan_io.update(path, lambda _: _plan(default="2"))  # a fresh plan: generation 0
+    assert restarted.generation == 8 and plan_io.load(path) == restarted
+    assert watcher.poll() == restarted
+    path.write_text(json.dumps(_plan(generation=3).to_json()))  # a stale writer, no lock
+    assert watcher.poll() is None  # older than the one applied: logged, ignored
+    assert watcher.generation == 8
+    path.write_text(json.dumps(_plan(generation=9).to_json()))
+    assert watcher.poll() == _plan(generation=9)  # newer again: applied

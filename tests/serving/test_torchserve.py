@@ -10,6 +10,7 @@ import dataclasses
 import ipaddress
 import json
 import os
+import shutil
 import subprocess
 import time
 import urllib.error
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from recsys_stack.config import ConfigError, load
-from serving.torchserve import process
+from serving.torchserve import manage, process
 from serving.torchserve.client import (
     RequestRejected,
     inference_stub,
@@ -118,6 +119,9 @@ def test_properties_keep_auth_on_and_register_the_model(tmp_path: Path) -> None:
     assert props["management_address"] == "http://127.0.0.1:8081"
     assert props["inference_address"] == "http://127.0.0.1:8080"
     assert props["load_models"] == "m-2.mar"
+    # the model API registers archives of the model store only (a .properties file: \\ = \)
+    store = str(tmp_path.resolve()).replace("-", "\\\\-")
+    assert props["allowed_urls"] == f"(?-i)file://{store}/[\\\\w.-]+\\\\.mar"
     model = json.loads(props["models"])["m"]["2"]
     # defaults: no TorchServe batching (the gateway merges), one worker per core
     cores = os.cpu_count() or 1
@@ -282,3 +286,29 @@ def test_calls_without_the_inference_key_are_rejected(
         inference_stub(channel).Predictions(request, timeout=CALL_TIMEOUT_S, metadata=metadata)
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value
     assert "Token Authorization failed" in (err.value.details() or "")
+
+
+@pytest.mark.slow
+def test_the_model_api_registers_archives_of_the_model_store_only(
+    torchserve: Served, tmp_path: Path
+) -> None:
+    """``allowed_urls``: the management key cannot make TorchServe fetch an archive (handler
+    code it would run) from a server or from a file outside the model store; an archive of the
+    store, registered by name as ``make rollout`` does, still loads."""
+    cfg, _ = torchserve
+    outside = tmp_path / "evil-1.mar"
+    shutil.copy(cfg.model_store / cfg.mar, outside)  # a valid archive, in the wrong place
+    for url in (
+        "http://127.0.0.1:9/evil-1.mar",
+        "https://example.com/evil-1.mar",
+        outside.as_uri(),
+    ):
+        with pytest.raises(manage.ManageError, match=r"does not match any allowed URL"):
+            manage.register(cfg, "evil", "1", url, timeout=CALL_TIMEOUT_S)
+    assert manage.describe(cfg, "evil") is None
+    assert not (cfg.model_store / outside.name).exists()  # nothing copied into the store
+    manage.register(cfg, "copy", cfg.model_version, cfg.mar, timeout=120)
+    try:
+        assert manage.versions(cfg, "copy") == {cfg.model_version: 1}
+    finally:
+        manage.unregister(cfg, "copy", cfg.model_version)

@@ -1,0 +1,122 @@
+"""The rollout's gates: what lets a candidate version go on to more traffic.
+
+* the **evaluation** gate (:func:`compare`): the candidate's AUC through the gateway, on the same
+  labelled rows as the default's, may be lower by ``margin`` at most;
+* the **error** gate (:class:`ErrorGate`): while the canary steps shift traffic, the candidate's
+  error ratio may exceed the default's by ``max_error_excess`` at most.
+
+The error gate reads the gateway's ``/metrics``: ``recsys_gateway_version_requests_total
+{model_version,code}`` counts each version's requests by the status code their scoring ended with
+(serving/gateway/metrics.py); a request is an error when that code is not OK (the backend failed
+it: the handler refused it, the model raised, no answer in time). Both versions are compared over
+the same window (from the first traffic step on: the evaluation's calls, which name their version,
+are not part of it), under the same load, so a failure of the whole stack does not count against
+the candidate alone. Readiness is the gateway's business (a version whose probe fails takes no
+traffic); this gate catches a candidate that passes the probe and fails real requests.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+VERSION_REQUESTS = "recsys_gateway_version_requests_total"
+PLAN_GENERATION = "recsys_gateway_plan_generation"
+
+Outcomes = dict[str, tuple[float, float]]
+"""``{version: (requests, errors)}``, as counted since the gateway started."""
+
+
+def scrape(url: str, timeout: float = 5.0) -> str | None:
+    """The metrics text at ``url`` (None: nothing answers there)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            text: str = r.read().decode()
+    except OSError:
+        return None
+    return text
+
+
+def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    return [
+        (s.labels, s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    ]
+
+
+def plan_generation(text: str, plan_file: Path) -> int | None:
+    """The generation of ``plan_file`` the gateway applied (None: it runs another plan file)."""
+    mine = str(Path(plan_file).resolve())
+    found = [v for labels, v in _samples(text, PLAN_GENERATION) if labels.get("plan") == mine]
+    return int(found[0]) if found else None
+
+
+def outcomes(text: str) -> Outcomes:
+    """Each version's requests and errors (non-OK codes) from the gateway's metrics text."""
+    out: Outcomes = {}
+    for labels, value in _samples(text, VERSION_REQUESTS):
+        version = labels.get("model_version", "")
+        total, errors = out.get(version, (0.0, 0.0))
+        out[version] = (total + value, errors + (value if labels.get("code") != "OK" else 0.0))
+    return out
+
+
+@dataclass
+class ErrorGate:
+    """The candidate's error ratio against the default's, counted from ``start`` on."""
+
+    default: str
+    candidate: str
+    max_excess: float
+    """Most the candidate's error ratio may exceed the default's (0.01: one point)."""
+    min_requests: int
+    """Candidate requests in the window before it is judged (fewer: too few to tell)."""
+    start: Outcomes | None
+    """The counters when the window opened (None: the gateway's metrics are off)."""
+
+    def window(self, now: Outcomes, version: str) -> tuple[float, float]:
+        assert self.start is not None
+        t0, e0 = self.start.get(version, (0.0, 0.0))
+        t1, e1 = now.get(version, (0.0, 0.0))
+        return t1 - t0, e1 - e0
+
+    def check(self, now: Outcomes | None) -> tuple[bool, str]:
+        """``(go on, what was seen)``; False once the candidate has ``min_requests`` requests in
+        the window and its error ratio exceeds the default's by more than ``max_excess``."""
+        if self.start is None or now is None:
+            return True, "error gate off: the gateway's metrics are off or unreachable"
+        (cn, ce), (dn, de) = self.window(now, self.candidate), self.window(now, self.default)
+        cand, base = ce / cn if cn else 0.0, de / dn if dn else 0.0
+        seen = (
+            f"errors v{self.candidate} {ce:.0f}/{cn:.0f} ({cand:.1%}), "
+            f"v{self.default} {de:.0f}/{dn:.0f} ({base:.1%})"
+        )
+        if cn < self.min_requests:
+            return True, f"{seen}: fewer than {self.min_requests} requests, not judged yet"
+        if cand - base > self.max_excess:
+            return False, f"{seen}: {cand - base:+.1%} over the allowed {self.max_excess:+.1%}"
+        return True, f"{seen}: within {self.max_excess:+.1%}"
+
+
+def compare(base: dict[str, Any], cand: dict[str, Any], margin: float) -> tuple[bool, str]:
+    """``(accept, table)``: the candidate passes when its AUC is at least the default's minus
+    ``margin``."""
+    rows = [("AUC", "auc"), ("NE", "normalized_entropy"), ("log loss", "log_loss"),
+            ("calibration", "calibration")]  # fmt: skip
+    lines = [f"  {'':12} {'default':>10} {'candidate':>10} {'delta':>10}"]
+    for label, key in rows:
+        a, b = float(base[key]), float(cand[key])
+        lines.append(f"  {label:12} {a:10.5f} {b:10.5f} {b - a:+10.5f}")
+    change = float(cand["auc"]) - float(base["auc"])
+    ok = change >= -margin
+    lines.append(
+        f"  AUC change {change:+.5f}, allowed down to {-margin:+g}: "
+        f"{'accepted' if ok else 'refused'}"
+    )
+    return ok, "\n".join(lines)

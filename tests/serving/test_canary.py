@@ -1,0 +1,182 @@
+"""The rollout's gates (serving/tools/canary.py): the per-version counters they read, the error
+gate's arithmetic, and on the real stack (``make serve``, TorchServe, ``make rollout``) a
+candidate that passes the gateway's probe but fails real requests, rolled back by the error gate.
+
+The failing candidate is the tiny model's archive with its scorer replaced by one whose embedding
+table has a single row: the handler's warm-up (id 0) and the gateway's probe (no ids) score, so
+the version is READY and in rotation; every request with real ids fails in the model.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import zipfile
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from recsys_stack.net import free_ports
+from serving.gateway import metrics
+from serving.gateway import plan as plan_io
+from serving.gateway.auth import client_token
+from serving.stubs import ranker_pb2_grpc
+from serving.tools import canary
+from serving.tools.client import build_request
+from serving.tools.supervisor import read_state, replicas
+from serving.torchserve import manage
+from serving.worker.codec import to_rows
+from tests.conftest import ROOT, _env
+from tests.stack import STARTUP_TIMEOUT_S
+
+MODEL = "dlrm-tiny"
+
+
+def test_outcomes_count_each_versions_requests_by_status_code() -> None:
+    m = metrics.configure(10, 10)
+    for _ in range(3):
+        metrics.scored("1", np.array([0.5], np.float32))
+    metrics.scored("2", np.array([0.25], np.float32))
+    for code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):
+        metrics.failed("2", code)
+    metrics.show_plan("m", ["1", "2"], {"1": 1.0}, 5, "/x/plan.json")
+    text = generate_latest(m.registry).decode()
+    assert 'recsys_gateway_version_requests_total{code="INTERNAL",model_version="2"} 2.0' in text
+    assert canary.outcomes(text) == {"1": (3.0, 0.0), "2": (4.0, 3.0)}
+    assert canary.plan_generation(text, Path("/x/plan.json")) == 5
+    assert canary.plan_generation(text, Path("/y/plan.json")) is None  # another gateway's
+
+
+def test_the_error_gate_compares_the_candidate_with_the_default_over_one_window() -> None:
+    start = {"1": (100.0, 1.0), "2": (40.0, 0.0)}  # before the first step: not counted
+    gate = canary.ErrorGate("1", "2", max_excess=0.01, min_requests=20, start=start)
+    go_on, seen = gate.check({"1": (200.0, 2.0), "2": (50.0, 5.0)})
+    assert go_on and "not judged yet" in seen  # 10 candidate requests: too few to tell
+    go_on, seen = gate.check({"1": (300.0, 3.0), "2": (70.0, 0.0)})
+    assert go_on and "within" in seen  # 0/30 against the default's 2/200
+    go_on, seen = gate.check({"1": (300.0, 3.0), "2": (70.0, 1.0)})
+    assert not go_on, seen  # 1/30 = 3.3% against 1.0%: 2.3 points over, 1 allowed
+    assert seen.startswith("errors v2 1/30 (3.3%), v1 2/200 (1.0%)"), seen
+    assert gate.check(None)[0]  # the gateway's metrics off: nothing to judge by
+    assert canary.ErrorGate("1", "2", 0.01, 20, None).check({"2": (99.0, 99.0)})[0]
+
+
+class OneRowTable(torch.nn.Module):
+    """A scorer whose embedding table has one row: id 0 and no ids at all score 0.5, any other
+    id raises (index out of range), as a model exported with tables too small would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.zeros(1, 1), requires_grad=False)
+
+    def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        return torch.sigmoid(dense[:, 0] * 0.0 + torch.index_select(self.table, 0, values).sum())
+
+
+def broken_archive(good: Path, out: Path, version: str) -> None:
+    """``good`` as ``version`` (manifest and schema.json), its scorer an :class:`OneRowTable`."""
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(out, "w") as dst:
+        manifest = json.loads(src.read("MAR-INF/MANIFEST.json"))
+        manifest["model"]["modelVersion"] = version
+        schema = json.loads(src.read("schema.json"))
+        schema["model"]["version"] = version
+        scorer = io.BytesIO()
+        torch.jit.save(torch.jit.script(OneRowTable()), scorer)
+        replaced = {
+            "MAR-INF/MANIFEST.json": json.dumps(manifest).encode(),
+            "schema.json": json.dumps(schema).encode(),
+            manifest["model"]["serializedFile"]: scorer.getvalue(),
+        }
+        for item in src.infolist():
+            dst.writestr(item, replaced.get(item.filename) or src.read(item))
+
+
+def _python(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+@pytest.mark.slow
+def test_a_candidate_failing_real_requests_is_rolled_back_by_the_error_gate(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    export, shared_store, _ = exported
+    store = tmp_path / "store"  # a store of its own: the shared one's newest .mar stays 1.0's
+    store.mkdir()
+    good = shutil.copy(shared_store / f"{MODEL}-1.0.mar", store)
+    broken_archive(Path(good), store / f"{MODEL}-2.0.mar", "2.0")
+    workdir = tmp_path / "serve"
+    env = _env({"RECSYS_SERVE_DIR": str(workdir), "RECSYS_MODEL_STORE": str(store)})
+    p = free_ports(7)
+    ts_ports = zip(("inference", "management", "metrics", "grpc-inference", "grpc-management"),
+                   p[:5], strict=True)  # fmt: skip
+    start = _python(
+        "serving.tools.supervisor", "start", "--gateway.schema", str(export / "schema.json"),
+        "--torchserve.workers", "1", "--gateway.port", str(p[5]), "--gateway.metrics.port",
+        str(p[6]), f"--timeout-s={STARTUP_TIMEOUT_S}",
+        *(a for k, v in ts_ports for a in (f"--torchserve.{k}-port", str(v))), env=env,
+    )  # fmt: skip
+    stop = threading.Event()
+    codes: Counter[str] = Counter()
+
+    def traffic(target: str, request: object, token: str) -> None:
+        """Requests naming no version, one after the other, until ``stop``."""
+        with grpc.insecure_channel(target) as channel:
+            stub = ranker_pb2_grpc.RankerStub(channel)
+            while not stop.is_set():
+                try:
+                    stub.Score(
+                        request, metadata=(("authorization", f"Bearer {token}"),), timeout=10
+                    )
+                    codes["OK"] += 1
+                except grpc.RpcError as e:
+                    codes[e.code().name] += 1  # type: ignore[attr-defined]
+                stop.wait(0.02)
+
+    caller = None
+    try:
+        assert start.returncode == 0, start.stderr
+        target = f"127.0.0.1:{p[5]}"
+        s = np.load(export / "sample.npz")
+        request = build_request(s["dense"][:20], to_rows(s["values"], s["lengths"])[:20])
+        token = client_token(str(workdir / "gateway_token"))
+        assert token
+        caller = threading.Thread(target=traffic, args=(target, request, token), daemon=True)
+        caller.start()
+        ro = _python("serving.tools.rollout", "--version", "2.0", "--no-evaluate",
+                     "--steps", "50,100", "--dwell-s", "120", "--drain-s", "1",
+                     "--error-min-requests", "10", env=env)  # fmt: skip
+        assert ro.returncode == 1, ro.stderr
+        assert "error gate: errors v2.0 " in ro.stdout and "promote" not in ro.stdout
+        assert "refused: v2.0 is withdrawn; v1.0 keeps all traffic" in ro.stdout
+        plan = plan_io.load(Path(read_state(workdir)["plan"]))
+        assert (plan.default, list(plan.versions), plan.traffic) == ("1.0", ["1.0"], {})
+        assert manage.versions(replicas(workdir)[0], MODEL) == {"1.0": 1}  # 2.0 unregistered
+        text = canary.scrape(f"http://127.0.0.1:{p[6]}/metrics")
+        assert text is not None
+        seen = canary.outcomes(text)
+        assert seen["2.0"][0] >= 10 and seen["2.0"][1] == seen["2.0"][0], seen  # all failed
+        assert seen["1.0"][0] > 0 and seen["1.0"][1] == 0, seen
+        before = codes.copy()
+        stop.wait(2)  # the gateway routes nothing to 2.0 anymore: every call is OK again
+        assert codes["OK"] > before["OK"] and codes["INTERNAL"] == before["INTERNAL"], codes
+        assert set(codes) == {"OK", "INTERNAL"}, codes
+    except Exception:
+        print((workdir / "gateway.log").read_text(errors="replace")[-4000:])
+        raise
+    finally:
+        stop.set()
+        if caller is not None:
+            caller.join(timeout=30)
+        _python("serving.tools.supervisor", "stop", env=env)
