@@ -1,18 +1,24 @@
-"""Device check of the portable export: ``python -m serving.tools.gpu_check --export runs/demo/export``.
+"""Device check of an export: ``python -m serving.tools.gpu_check --export runs/demo/export``.
 
 Needs torch and the standard library only (no numpy, fbgemm or TorchRec), so that it runs on a
 borrowed CUDA machine with the repository copied and no venv. It
 
-1. loads each portable variant (TorchScript fp32/fp16, the ``torch.export`` program, and the
-   module rebuilt from ``portable_state.pt`` with this machine's torch) on CPU and checks it
-   against the export's eager probabilities in ``sample.npz`` (fp32: max |Δp| <= 1e-5;
-   fp16/bf16: |ΔAUC| <= 1e-3);
-2. with CUDA: the same on ``cuda:0`` (bf16 cast from fp32 at load, as the handler does), and the
-   handler's model stages (variant choice, ``ScoringModel`` load + forward of two requests;
-   skipped with a note where numpy is missing);
-3. prints p50 latency and throughput for each variant and batch size (1 to 8,192).
+1. loads, on CPU, every variant that torch alone loads on any device and checks it against the
+   export's reference probabilities in ``sample.npz`` (``probs_eager``, else ``probs_fp32``; fp32:
+   max |Δp| <= 1e-5; fp16/bf16: |ΔAUC| <= 1e-3): the mapped ``fp16`` tables (what CUDA workers
+   load) and the mapped ``fp32`` tables (the model as trained) when they are in the folder, each
+   table file checked against schema.json's size and sha256 first (``serving.worker.mapped.
+   load_mapped``); and, for an export with the ``portable`` format, its TorchScript fp32/fp16,
+   the ``torch.export`` program and the module rebuilt from ``portable_state.pt`` with this
+   machine's torch;
+2. with CUDA: the same on ``cuda:0`` (the tables copied to the device; bf16 cast at load, as the
+   handler does);
+3. on each device, the handler's model stages: the variant ``choose_variant`` picks there (CPU:
+   the archived one, the int8 tables by default; CUDA: ``serving.cuda``), ``ScoringModel`` load
+   and one forward of two requests;
+4. prints p50 latency and throughput for each model and batch size (1 to 8,192).
 
-Without CUDA it says so and runs the CPU half. Exit code 1 when a parity check fails.
+Without CUDA it says so and runs the CPU half. Exit code 1 when a check fails.
 """
 
 import ast
@@ -29,6 +35,7 @@ from typing import Any
 import torch
 
 from recsys_stack.config import ConfigError, parse
+from recsys_stack.metrics import roc_auc
 from serving.worker.portable_model import from_state
 
 logger = logging.getLogger("serving.tools.gpu_check")
@@ -46,7 +53,8 @@ class GpuCheckConfig:
     """Which export to check, and how long to time it."""
 
     export: Path = Path("runs/demo/export")
-    """Export directory (schema.json, sample.npz and the portable files)."""
+    """Export directory (schema.json, sample.npz and the variant files: mapped_fp16.pt +
+    tables_fp16.bin, and whatever else the export wrote)."""
     batches: list[int] = field(default_factory=lambda: [1, 8, 64, 512, 2048, 8192])
     """Batch sizes of the latency table (built by repeating the sample's rows)."""
     iters: int = 20
@@ -54,8 +62,8 @@ class GpuCheckConfig:
     cpu_max_batch: int = 2048
     """Largest batch timed on CPU (the CPU half is a smoke run, not the measurement)."""
     aoti: bool = False
-    """Also AOTInductor-compile the .pt2 for each device here and time it (needs a C++
-    compiler; on CUDA, Triton): minutes of compile."""
+    """Also AOTInductor-compile the .pt2 (an export with the ``pt2`` format) for each device
+    here and time it (needs a C++ compiler; on CUDA, Triton): minutes of compile."""
 
 
 def read_npz(path: Path) -> dict[str, torch.Tensor]:
@@ -88,16 +96,11 @@ def take(sample: dict[str, torch.Tensor], batch: int) -> Tensors:
 
 
 def auc(labels: torch.Tensor, scores: torch.Tensor) -> float:
-    """ROC AUC (Mann-Whitney, ties averaged)."""
-    s = scores.double()
-    _, inverse, counts = torch.unique(s, return_inverse=True, return_counts=True)
-    ends = torch.cumsum(counts, 0).double()
-    ranks = (ends - (counts.double() - 1) / 2)[inverse]  # average 1-based rank per tie group
-    pos = labels.bool()
-    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-    if n_pos == 0 or n_neg == 0:
+    """ROC AUC (:func:`recsys_stack.metrics.roc_auc`, torch only), NaN without both labels."""
+    try:
+        return roc_auc(labels, scores)
+    except ValueError:
         return float("nan")
-    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
 def compile_aoti(export: Path, device: torch.device, out: Path) -> Any:
@@ -112,14 +115,46 @@ def compile_aoti(export: Path, device: torch.device, out: Path) -> Any:
     return aoti_load_package(path)
 
 
-def load_models(export: Path, schema: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Every torch-loadable portable variant on ``device`` (name -> callable)."""
+def check_tables(export: Path, name: str, info: dict[str, Any]) -> str | None:
+    """Why mapped variant ``name`` cannot be checked here (a file missing: the fp32 tables are
+    not archived and may be left behind), else None. Raises ValueError when its table file
+    is not the one the export wrote (size, sha256)."""
+    from serving.worker.mapped import sha256
+
+    record = info["tables"]
+    missing = [f for f in (info["file"], record["file"]) if not (export / f).is_file()]
+    if missing:
+        return f"{', '.join(missing)} not in {export}"
+    tables = export / record["file"]
+    if tables.stat().st_size != record["bytes"] or sha256(tables) != record["sha256"]:
+        raise ValueError(f"{tables}: size or sha256 differs from schema.json's (a bad copy?)")
+    return None
+
+
+def load_models(
+    export: Path, schema: dict[str, Any], device: torch.device
+) -> tuple[dict[str, Any], list[str]]:
+    """Every variant torch alone loads on any device, on ``device`` (name -> callable), and a
+    note for each one skipped."""
+    from serving.worker.mapped import load_mapped
     from serving.worker.scoring import load_artifact
 
     models: dict[str, Any] = {}
+    notes: list[str] = []
     for name, info in schema["variants"].items():
         if info.get("requires") != ["torch"] or info.get("device") != "any":
-            continue  # TorchRec's (fbgemm), ONNX, and AOTInductor packages built for the CPU
+            continue  # int8 tables (a CPU kernel), TorchRec's (fbgemm), ONNX, AOTInductor for CPU
+        if info.get("kind") == "mapped":  # the tables, mapped (CPU) or copied to the device
+            why = check_tables(export, name, info)
+            if why:
+                notes.append(f"skip {device} {name}: {why}")
+                continue
+            models[name] = load_mapped(export / info["file"], device, verify=False)
+            if name == "fp16" and device.type == "cuda":  # RECSYS_CUDA_DTYPE=bf16: a cast
+                models["fp16_bf16"] = load_mapped(export / info["file"], device, verify=False).to(
+                    torch.bfloat16
+                )
+            continue
         try:
             models[name] = load_artifact(export / info["file"], info, device, None)
         except Exception as e:  # a file from a newer torch: say so, rebuild from the state
@@ -128,46 +163,68 @@ def load_models(export: Path, schema: dict[str, Any], device: torch.device) -> d
             models["portable_bf16"] = load_artifact(
                 export / info["file"], info, device, torch.bfloat16
             )
-    state = torch.load(export / "portable_state.pt", map_location="cpu", weights_only=True)
-    models["rebuilt"] = from_state(state).to(device)
-    return models
+    if (export / "portable_state.pt").is_file():  # the portable format's plain weights
+        state = torch.load(export / "portable_state.pt", map_location="cpu", weights_only=True)
+        models["rebuilt"] = from_state(state).to(device)
+    return models, notes
+
+
+def reference(sample: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+    """The export's reference probabilities: TorchRec's eager model where it was built, else
+    the fp32 tables (a model too large for it)."""
+    name = "eager" if "probs_eager" in sample else "fp32"
+    return name, sample[f"probs_{name}"]
+
+
+def reduced(name: str) -> bool:
+    """Judged by |ΔAUC| (reduced precision) rather than max |Δp|."""
+    return any(p in name for p in ("fp16", "bf16", "int8"))
 
 
 def parity(
     models: dict[str, Any], sample: dict[str, torch.Tensor], device: torch.device
 ) -> list[tuple[str, str, float, float, bool]]:
-    """``(model, check, value, limit, ok)`` of each model against the export's eager probs."""
-    ref, labels = sample["probs_eager"], sample["labels"]
+    """``(model, check, value, limit, ok)`` of each model against the export's reference."""
+    (ref_name, ref), labels = reference(sample), sample["labels"]
     x = tuple(t.to(device) for t in (sample["dense"], sample["values"], sample["lengths"]))
     ref_auc, rows = auc(labels, ref), []
     with torch.inference_mode():
         for name, model in models.items():
             p = model(*x).float().cpu()
-            if "fp16" in name or "bf16" in name:
-                value, limit, what = abs(auc(labels, p) - ref_auc), MAX_AUC_DROP, "|ΔAUC|"
+            if reduced(name):
+                value, limit = abs(auc(labels, p) - ref_auc), MAX_AUC_DROP
+                what = f"|ΔAUC| vs {ref_name}"
             else:
-                value, limit, what = float((p - ref).abs().max()), MAX_ABS_DIFF_FP32, "max |Δp|"
+                value, limit = float((p - ref).abs().max()), MAX_ABS_DIFF_FP32
+                what = f"max |Δp| vs {ref_name}"
             rows.append((name, what, value, limit, value <= limit))
     return rows
 
 
-def handler_stages(export: Path, schema: dict[str, Any], sample: dict[str, torch.Tensor]) -> str:
-    """The handler's choice and ``ScoringModel`` on CUDA: two requests in one forward."""
-    try:
-        from serving.worker.scoring import ScoringModel, choose_variant, slice_examples
-    except ImportError as e:
-        return f"handler stages: skipped ({e}; pip install numpy to run them)"
-    device = torch.device("cuda:0")
+def handler_stages(
+    export: Path, schema: dict[str, Any], sample: dict[str, torch.Tensor], device: torch.device
+) -> tuple[str, bool]:
+    """The handler's choice and ``ScoringModel`` on ``device``: two requests in one forward.
+    Returns the report line and whether it passed (a skip passes)."""
+    from serving.worker.scoring import ScoringModel, choose_variant, slice_examples
+
     default = schema["variants"][schema["served_variant"]]["file"]
     variant, artifact, dtype = choose_variant(schema, default, device, {})
-    model = ScoringModel(export, artifact, device, dtype)
+    head = f"handler stages on {device}: {variant} ({artifact}{f', {dtype}' if dtype else ''})"
+    if not (export / artifact).is_file():
+        return f"{head}: skipped ({artifact} not in {export})", True
+    try:
+        model = ScoringModel(export, artifact, device, dtype)
+    except ImportError as e:  # TorchRec's TorchScript needs fbgemm
+        return f"{head}: skipped ({e})", True
     x = (sample["dense"], sample["values"], sample["lengths"])
     n = x[0].shape[0]
     parts = model.forward([slice_examples(*x, 0, n // 3), slice_examples(*x, n // 3, n)])
     p = torch.cat(parts)
-    diff = abs(auc(sample["labels"], p) - auc(sample["labels"], sample["probs_eager"]))
+    ref_name, ref = reference(sample)
+    diff = abs(auc(sample["labels"], p) - auc(sample["labels"], ref))
     ok = diff <= MAX_AUC_DROP and p.shape[0] == n
-    return f"handler stages on {device}: {variant} ({artifact}) |ΔAUC| {diff:.1e} {'ok' if ok else 'FAIL'}"
+    return f"{head} |ΔAUC| vs {ref_name} {diff:.1e} {'ok' if ok else 'FAIL'}", ok
 
 
 def latency(
@@ -210,20 +267,31 @@ def check(cfg: GpuCheckConfig) -> int:
         print(f"{torch.cuda.device_count()} device(s), {torch.cuda.get_device_name(0)}")
     else:
         print("CUDA is not available here: running the CPU half only")
+    print(
+        f"reference: the export's probs_{reference(sample)[0]} ({sample['labels'].shape[0]} rows)"
+    )
     devices = [torch.device("cpu")] + ([torch.device("cuda:0")] if cuda else [])
     failed = 0
     for device in devices:
-        models = load_models(cfg.export, schema, device)
+        try:
+            models, notes = load_models(cfg.export, schema, device)
+        except ValueError as e:  # a table file that is not the export's
+            print(f"FAIL {device} {e}")
+            failed += 1
+            continue
         if cfg.aoti:
             with tempfile.TemporaryDirectory() as tmp:
                 models["aoti"] = compile_aoti(cfg.export, device, Path(tmp))
+        for note in notes:
+            print(note)
         for name, what, value, limit, ok in parity(models, sample, device):
             failed += not ok
             print(
                 f"{'ok  ' if ok else 'FAIL'} {device} {name:<15} {what} = {value:.2e} (limit {limit:.0e})"
             )
-        if device.type == "cuda":
-            print(handler_stages(cfg.export, schema, sample))
+        line, ok = handler_stages(cfg.export, schema, sample, device)
+        failed += not ok
+        print(line)
         print("\n".join(latency(models, sample, device, cfg)))
     print(f"gpu-check: {'ok' if not failed else f'{failed} check(s) FAILED'}")
     return 1 if failed else 0
@@ -238,8 +306,17 @@ def main(argv: list[str] | None = None) -> int:
         if not (cfg.export / "schema.json").is_file():
             raise ConfigError(f"{cfg.export / 'schema.json'} not found: run `make export` first")
         variants = json.loads((cfg.export / "schema.json").read_text()).get("variants", {})
-        if "portable" not in variants:
-            raise ConfigError(f"{cfg.export} has no portable variant: export with portable = true")
+        if not any(i.get("requires") == ["torch"] and i.get("device") == "any"
+                   for i in variants.values()):  # fmt: skip
+            raise ConfigError(
+                f"{cfg.export} has no variant torch loads on a GPU (the mapped fp16 tables, or "
+                "the portable format): export with the default formats"
+            )
+        if cfg.aoti and "portable_pt2" not in variants:
+            raise ConfigError(
+                f"--aoti compiles the pt2 program, which {cfg.export} lacks: export with "
+                """--formats '["int8", "fp16", "pt2"]'"""
+            )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

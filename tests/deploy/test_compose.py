@@ -57,7 +57,7 @@ def compose_bin() -> str:
 
 def clean_env() -> dict[str, str]:
     """The environment without the stack's variables: the file's own defaults apply."""
-    drop = ("RECSYS_", "PRESET", "NPROC", "QUANT", "USERS", "SPAWN_RATE", "DURATION", "LOCUST")
+    drop = ("RECSYS_", "PRESET", "NPROC", "FORMATS", "USERS", "SPAWN_RATE", "DURATION", "LOCUST")
     return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
 
 

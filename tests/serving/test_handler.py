@@ -117,7 +117,7 @@ def test_batched_requests_of_different_sizes_score_like_separate_ones(
     exported: tuple[Path, Path, str],
 ) -> None:
     export, _, _ = exported
-    model = ScoringModel(export, "model_int8.pt", torch.device("cpu"))
+    model = ScoringModel(export, "mapped_int8.pt", torch.device("cpu"))
     dense, values, lengths, expected = _sample(export)
     cuts = [(0, 1), (1, 8), (8, 108), (108, 600)]
     requests = [
@@ -149,7 +149,7 @@ def _handler(scoring: ScoringModel) -> RecsysHandler:
 @pytest.mark.slow
 def test_a_poison_body_in_a_batch_fails_alone(exported: tuple[Path, Path, str]) -> None:
     export, _, _ = exported
-    handler = _handler(ScoringModel(export, "model_int8.pt", torch.device("cpu")))
+    handler = _handler(ScoringModel(export, "mapped_int8.pt", torch.device("cpu")))
     dense, values, lengths, expected = _sample(export)
     names = handler.scoring.dense_names
     as_json = {"instances": [{"dense": dense[2].tolist(), "sparse": {}}]}
@@ -195,7 +195,7 @@ def test_a_request_the_model_raises_on_fails_alone(exported: tuple[Path, Path, s
                 raise RuntimeError("injected: 3 examples")
             return super().forward(requests)
 
-    handler = _handler(Refuses(export, "model_int8.pt", torch.device("cpu")))
+    handler = _handler(Refuses(export, "mapped_int8.pt", torch.device("cpu")))
     dense, values, lengths, expected = _sample(export)
     cuts = [(0, 2), (2, 5), (5, 9)]
     bodies = [encode_request(*slice_examples(dense, values, lengths, a, b)) for a, b in cuts]

@@ -116,13 +116,7 @@ def test_two_processes_share_one_copy(tmp_path: Path) -> None:
     path = save(m, tmp_path, "fp32", chunk=1 << 20)
     table_bytes = (tmp_path / "tables_fp32.bin").stat().st_size
     del m
-    kids = [
-        subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(path)], cwd=ROOT, env=_env(),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        for _ in range(2)
-    ]
+    kids = [child(CHILD, str(path)) for _ in range(2)]
     try:
         for k in kids:
             assert k.stdout is not None and k.stdout.readline().strip() == "ready"
@@ -142,6 +136,14 @@ def test_two_processes_share_one_copy(tmp_path: Path) -> None:
           f"PSS {[s['pss'] >> 20 for s in stats]} MiB")  # fmt: skip
     assert all(s["rss"] > table_bytes for s in stats)  # each one maps all of it...
     assert sum(s["pss"] for s in stats) < table_bytes * 1.1 + sum(own)  # ...once between them
+
+
+def child(code: str, *args: str) -> subprocess.Popen[str]:
+    """``python -c code args`` from the repository root, talking over pipes."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args], cwd=ROOT, env=_env(),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
 
 
 def memory_cgroup() -> Path | None:
@@ -193,10 +195,7 @@ def test_a_process_confined_to_half_the_tables_still_scores(tmp_path: Path) -> N
     group = cgroups / f"recsys-test-{uuid.uuid4().hex[:8]}"
     group.mkdir()
     pid_file = tmp_path / "pid"
-    kid = subprocess.Popen(
-        [sys.executable, "-c", ZIPF, str(path), str(pid_file)], cwd=ROOT, env=_env(),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    kid = child(ZIPF, str(path), str(pid_file))
     try:
         while not pid_file.exists() or not pid_file.read_text():
             assert kid.poll() is None
@@ -216,3 +215,22 @@ def test_a_process_confined_to_half_the_tables_still_scores(tmp_path: Path) -> N
         kid.kill()
         kid.wait()
         group.rmdir()
+
+
+def test_a_replaced_file_keeps_serving_the_mapped_version(tmp_path: Path) -> None:
+    """Exports replace files by rename (a new inode): a worker that mapped the old tables keeps
+    scoring with them, whole, until it loads the new version; no torn read."""
+    old, new = scorer([3000] * F, seed=0), scorer([3000] * F, seed=1)
+    x = batch()
+    path = save(old, tmp_path, "int8")
+    served = load_mapped(path, torch.device("cpu"))
+    before = served(*x)
+    staging = tmp_path / "next"
+    staging.mkdir()
+    save(new, staging, "int8")
+    for name in ("tables_int8.bin", "mapped_int8.pt"):  # what the export's swap does
+        os.replace(staging / name, tmp_path / name)
+    torch.testing.assert_close(served(*x), before, atol=0, rtol=0)
+    reloaded = load_mapped(path, torch.device("cpu"))
+    torch.testing.assert_close(reloaded(*x), new(*x), atol=5e-3, rtol=0)
+    assert not torch.equal(reloaded(*x), before)

@@ -29,7 +29,7 @@ from loadtest import report
 from recsys_stack.net import free_ports
 from serving.gateway import plan as plan_io
 from serving.gateway.auth import client_token
-from serving.tools import evaluate
+from serving.tools import canary, evaluate
 from serving.tools.supervisor import read_state, replicas
 from serving.torchserve import manage, process
 from tests.conftest import EXPORT_TINY, ROOT, _env, run_export, run_train
@@ -52,13 +52,11 @@ def versions(
     steps = sorted((run / "checkpoints").glob("step_*"))
     assert len(steps) >= 2, steps
     for version, ckpt in (("1", steps[0]), ("2", steps[-1])):
-        run_export(["--checkpoint", str(ckpt), "--version", version, "--model-store", str(store),
-                    "--no-portable"])  # fmt: skip
+        run_export(["--checkpoint", str(ckpt), "--version", version, "--model-store", str(store)])
         exports[version] = shutil.copytree(run / "export", base / f"export-{version}")
     bad = base / "bad"  # worse on purpose: two steps of training
     run_train([*EXPORT_TINY, "--run-dir", str(bad), *data_dirs, "train.max_steps=2"], nproc=0)
-    run_export(["--run-dir", str(bad), "--version", "3", "--model-store", str(store),
-                "--no-portable"])  # fmt: skip
+    run_export(["--run-dir", str(bad), "--version", "3", "--model-store", str(store)])
     exports["3"] = bad / "export"
     synthetic = Path(data_dirs[1].split("=", 1)[1].strip('"'))
     return store, exports, next(synthetic.glob("*.tsv"))
@@ -185,7 +183,10 @@ def test_rollout_refusal_restart_and_rollback_under_load(
         assert applied == {str(plan_file.resolve()): plan.generation}, applied
         for ts in replicas(workdir):  # v1 drained and unregistered, v3 never kept
             assert manage.versions(ts, MODEL) == {"2": 1}
-        seen = _metric(metrics_at, "recsys_gateway_version_requests_total")
+        # requests per version, by status code: not one failed
+        outcomes = canary.outcomes(canary.scrape(f"http://{metrics_at}/metrics") or "")
+        assert all(errors == 0 for _, errors in outcomes.values()), outcomes
+        seen = {v: total for v, (total, _) in outcomes.items()}
         assert seen.get("1", 0) > 0 and seen.get("2", 0) > 0, seen  # both took Locust's calls
         # v3 answered its evaluation's requests (which name it) and not one of Locust's
         _, count = evaluate.row_window(data, 0.1, 0)

@@ -143,9 +143,8 @@ def test_failed_archive_leaves_previous_export_and_mar_byte_identical(
 
     def export(**kw: Any) -> dict[str, Any]:
         cfg = pipeline.ExportConfig(
-            run_dir=run, model_store=store, version="1.0", quant="none", portable=False,
-            onnx=False, parity_rows=4000, progress=False, handler=ROOT / "serving/worker/handler.py",
-            **kw,
+            run_dir=run, model_store=store, version="1.0", formats=["fp32"], cpu_variant="fp32",
+            parity_rows=4000, progress=False, handler=ROOT / "serving/worker/handler.py", **kw,
         )  # fmt: skip
         return pipeline.run_export(cfg)
 
@@ -155,7 +154,7 @@ def test_failed_archive_leaves_previous_export_and_mar_byte_identical(
     assert "schema.json" in before_dir
 
     def archiver_fails(*args: Any, **kw: Any) -> Path:
-        raise RecsysError("torch-model-archiver failed: simulated")
+        raise RecsysError("archiving the .mar failed: simulated")
 
     with monkeypatch.context() as m:
         m.setattr(pipeline, "archive", archiver_fails)

@@ -119,29 +119,39 @@ def test_export_help_documents_every_field_and_keeps_the_flag_spellings() -> Non
     text = export_parser().format_help()
     _documents_every_field(text, ExportConfig)
     for flag in (
-        "--run-dir", "--checkpoint", "--quant", "--name", "--version", "--model-store",
-        "--handler", "--parity-rows", "--eval-data", "--force", "--overwrite", "--no-progress",
-        "--no-archive", "--config",
+        "--run-dir", "--checkpoint", "--formats", "--cpu-variant", "--name", "--version",
+        "--model-store", "--handler", "--parity-rows", "--eval-data", "--force", "--overwrite",
+        "--no-progress", "--no-archive", "--config",
     ):  # fmt: skip
         assert flag in text, flag
-    assert "{int8,fp16,none}" in text
+    assert "{int8,fp16,fp32,torchscript,portable,pt2,onnx,aoti}" in text
 
 
 def test_export_config_file_flags_and_overrides(tmp_path: Path) -> None:
     f = tmp_path / "export.toml"
-    f.write_text('run_dir = "runs/a"\nquant = "fp16"\nparity_rows = 100\nname = "m"\n')
+    f.write_text(
+        'run_dir = "runs/a"\nformats = ["fp16", "onnx"]\ncpu_variant = "fp16"\n'
+        'parity_rows = 100\nname = "m"\n'
+    )
     cfg = export_args(["--config", str(f), "--no-archive", "--version", "3", "parity_rows=50"])
-    assert cfg.run_dir == Path("runs/a") and cfg.quant == "fp16" and cfg.name == "m"
+    assert cfg.run_dir == Path("runs/a") and cfg.formats == ["fp16", "onnx"] and cfg.name == "m"
+    assert cfg.cpu_variant == "fp16"
     assert cfg.archive is False and cfg.version == "3" and cfg.parity_rows == 50
     assert cfg.progress is True and cfg.model_store == Path("model_store")
-    assert export_args(["--checkpoint", "c", "--quant", "none"]).quant == "none"
+    default = export_args(["--checkpoint", "c"])
+    assert default.formats == ["int8", "fp16", "fp32"] and default.cpu_variant == "int8"
+    ts = export_args(["--checkpoint", "c", "--formats", '["torchscript"]', "cpu_variant=ts_int8"])
+    assert ts.formats == ["torchscript"] and ts.cpu_variant == "ts_int8"
 
 
 def test_export_misspelled_key_and_bad_choice_are_one_line(capsys: typing.Any) -> None:
-    line = _in_process(export_main, ["--run-dir", "runs/x", "quatn=int8"], capsys)
-    assert "unknown key 'quatn'" in line and "did you mean 'quant'" in line
-    line = _in_process(export_main, ["--run-dir", "runs/x", "--quant", "int4"], capsys)
-    assert "quant = 'int4': must be one of 'int8', 'fp16', 'none'" in line
+    line = _in_process(export_main, ["--run-dir", "runs/x", 'fromats=["int8"]'], capsys)
+    assert "unknown key 'fromats'" in line and "did you mean 'formats'" in line
+    line = _in_process(export_main, ["--run-dir", "runs/x", "--formats", '["int4"]'], capsys)
+    assert "formats[0] = 'int4': must be one of 'int8', 'fp16', 'fp32', 'torchscript'" in line
+    # the CPU variant must be one the formats write
+    line = _in_process(export_main, ["--run-dir", "runs/x", "--cpu-variant", "ts_int8"], capsys)
+    assert "cpu_variant = ts_int8: the formats written give" in line and "int8" in line
     line = _in_process(export_main, [], capsys)
     assert "give --run-dir or --checkpoint" in line
 

@@ -24,7 +24,7 @@ def test_export_writes_variants_schema_parity_and_mar(exported: tuple[Path, Path
     schema = json.loads((export / "schema.json").read_text())
     parity = json.loads((export / "parity.json").read_text())
     assert parity["ok"] and parity["rows"] == 2000  # tiny's whole eval split
-    assert parity["max_abs_diff"]["fp32"] <= 1e-5
+    assert parity["max_abs_diff"]["fp32"] <= 1e-6  # the streamed tables: the trained weights
     assert abs(parity["auc"]["int8"] - parity["auc"]["eager"]) <= 1e-3
     assert schema["features"]["sparse"][0] == "C1" and len(schema["features"]["dense"]) == 13
     assert schema["source"]["step"] == 40 and schema["source"]["world_size"] == 2

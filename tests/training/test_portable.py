@@ -1,5 +1,6 @@
-"""The portable variants: TorchRec DLRM weights in a pure-PyTorch scorer, saved as TorchScript,
-a torch.export program and ONNX, loadable with torch alone (onnxruntime for ONNX)."""
+"""The portable variants (the ``portable``, ``pt2``, ``onnx`` and ``aoti`` export formats, written
+on request): TorchRec DLRM weights in a pure-PyTorch scorer, saved as TorchScript, a torch.export
+program and ONNX, loadable with torch alone (onnxruntime for ONNX)."""
 
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def test_aoti_package_loads_and_matches(tmp_path: Path) -> None:
             "over_arch": [8, 1], "arch": "dlrm"}  # fmt: skip
     model = PortableScorer(spec).eval()
     torch.nn.init.normal_(model.weight)
-    files = save_portable(model, tmp_path, _inputs(5, rows=11), aoti=True, onnx=False)
+    files = save_portable(model, tmp_path, _inputs(5, rows=11), {"aoti"})
+    assert set(files) == {"portable_aoti"}  # only the format asked for
     compiled = load_variant(files["portable_aoti"], "aoti")
     x = _inputs(9, rows=11, seed=3)  # another batch size: the batch is dynamic
     with torch.no_grad():
@@ -93,32 +95,51 @@ def test_cuda_int8_is_refused_with_what_to_install() -> None:
         check_cuda_int8(cuda_available=False)
     with pytest.raises(ConfigError, match=r"pip install fbgemm-gpu==1\.8\.0"):
         check_cuda_int8(cuda_available=True)  # this machine has the CPU build only
-    with pytest.raises(ConfigError, match="aoti = true needs portable = true"):
-        ExportConfig(run_dir=Path("x"), portable=False, aoti=True).validate()
+    # aoti is a format of its own now: it needs no other
+    ExportConfig(run_dir=Path("x"), formats=["int8", "aoti"]).validate()
+
+
+PORTABLE_FILES = (
+    "model_portable.pt", "model_portable_fp16.pt", "model_portable.pt2", "model_portable.onnx",
+    "portable_state.pt",
+)  # fmt: skip
 
 
 @pytest.mark.slow
 def test_export_records_gates_and_archives_the_portable_variants(
-    exported: tuple[Path, Path, str],
+    exported_portable: tuple[Path, Path, str], exported: tuple[Path, Path, str]
 ) -> None:
-    export, store, report = exported
+    export, store, report = exported_portable
     schema = json.loads((export / "schema.json").read_text())
     parity = json.loads((export / "parity.json").read_text())
+    assert set(schema["variants"]) == {
+        "int8", "fp32", "portable", "portable_fp16", "portable_pt2", "portable_onnx",
+    }  # fmt: skip
     for name in ("portable", "portable_fp16", "portable_pt2", "portable_onnx"):
         info = schema["variants"][name]
         data = (export / info["file"]).read_bytes()
         assert hashlib.sha256(data).hexdigest() == info["sha256"] and len(data) == info["bytes"]
         assert info["requires"] == (["onnxruntime"] if name == "portable_onnx" else ["torch"])
+        assert info["device"] == "any", name  # torch alone loads them on a GPU too
         (check,) = [c for c in parity["checks"] if c["variant"] == name]
         assert check["ok"] and check["limit"] == (1e-3 if name == "portable_fp16" else 1e-5)
-    assert schema["variants"]["int8"]["requires"] == ["torch", "fbgemm_gpu"]
+    assert parity["reference"] == "eager"  # the whole model was loaded for these formats
+    assert (export / "portable_state.pt").is_file()
+    int8 = schema["variants"]["int8"]
+    assert int8["kind"] == "mapped" and int8["requires"] == ["torch"] and int8["device"] == "cpu"
+    # no fp16 tables asked for: CUDA workers load the portable TorchScript pair
     assert schema["serving"]["cpu"] == "int8" and schema["serving"]["cuda"] == "portable"
     names = set(zipfile.ZipFile(store / "dlrm-tiny-1.0.mar").namelist())
-    assert {"model_int8.pt", "model_portable.pt", "model_portable_fp16.pt"} <= names
+    assert {
+        "mapped_int8.pt", "tables_int8.bin", "model_portable.pt", "model_portable_fp16.pt",
+    } <= names  # fmt: skip
     assert "model_portable.onnx" not in names  # ONNX is for other servers, not TorchServe
-    assert "ONNX (onnxruntime) / TorchScript fp32 at batch 100:" in report
+    assert "ONNX (onnxruntime) / mapped fp32 at batch 100:" in report
     for model in ("portable_fp16", "portable_pt2", "portable_onnx"):
         assert f"\n{model} " in report.split("in-process latency")[1]
+    # the default export writes none of them: they are asked for with --formats
+    default, _, _ = exported
+    assert not [f for f in PORTABLE_FILES if (default / f).exists()]
 
 
 FRESH = textwrap.dedent(
@@ -152,9 +173,9 @@ FRESH = textwrap.dedent(
 
 @pytest.mark.slow
 def test_fresh_torch_only_process_reproduces_the_eager_probabilities(
-    exported: tuple[Path, Path, str],
+    exported_portable: tuple[Path, Path, str],
 ) -> None:
-    export, _, _ = exported
+    export, _, _ = exported_portable
     proc = subprocess.run(
         [sys.executable, "-c", FRESH, str(export)],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
@@ -168,18 +189,24 @@ def test_fresh_torch_only_process_reproduces_the_eager_probabilities(
     assert 0 < got["diff"]["portable_fp16"][0] < 0.05  # really fp16: not bit-equal, still close
 
 
-def test_the_fastest_cpu_variant_is_a_torchscript_file_that_passed_parity() -> None:
+def test_the_fastest_cpu_variant_is_a_pt_file_that_passed_parity() -> None:
     from training.export.pipeline import fastest_cpu
 
     def lat(ms: float) -> dict[str, dict[str, float]]:
         return {"100": {"p50_ms": ms, "p99_ms": ms}}
 
-    files = {v: Path(f"model_{v}.pt") for v in ("fp32", "int8", "portable", "portable_fp16")}
+    files = {v: Path(f"mapped_{v}.pt") for v in ("fp32", "int8")}
+    files |= {v: Path(f"model_{v}.pt") for v in ("portable", "portable_fp16")}
     files["portable_onnx"] = Path("model_portable.onnx")
     latency = {"fp32": lat(3), "int8": lat(2), "portable": lat(1.5), "portable_fp16": lat(1),
                "portable_onnx": lat(0.5)}  # fmt: skip
     checks = [{"variant": v, "ok": v != "portable_fp16"} for v in files]
     assert fastest_cpu(latency, files, {"checks": checks}) == "portable"  # not ONNX, not failed
     assert fastest_cpu({}, files, {"checks": checks}) is None
-    with pytest.raises(ConfigError, match="cpu_variant = portable needs portable = true"):
-        ExportConfig(run_dir=Path("x"), portable=False, cpu_variant="portable").validate()
+    assert fastest_cpu(latency | {"portable": lat(2.5)}, files, {"checks": checks}) == "int8"
+    # the CPU variant must be one the formats write
+    message = "cpu_variant = portable: the formats written give fastest, fp16, fp32, int8"
+    with pytest.raises(ConfigError, match=message):
+        ExportConfig(run_dir=Path("x"), cpu_variant="portable").validate()
+    ExportConfig(run_dir=Path("x"), formats=["int8", "portable"], cpu_variant="portable").validate()
+    ExportConfig(run_dir=Path("x"), cpu_variant="fastest").validate()
