@@ -113,14 +113,18 @@ demo: setup  ## everything on the embedded default: train -> export -> serve -> 
 	  echo "report: $(OUT)/report.html  $(OUT)/latency.png  $(OUT)/summary.json"
 
 # torch alone: runs on a CUDA machine with the repository copied and no venv
-# (make gpu-check PY=python3), where the portable variants exist for.
+# (make gpu-check PY=python3), as the mapped fp16 tables (and the portable formats) allow.
 .PHONY: gpu-check
-gpu-check:  ## load RUN's portable export on CUDA (CPU half without one), parity + latency table
+gpu-check:  ## load RUN's export (mapped fp16/fp32, portable if written) on CUDA (CPU half without one), parity + handler + latency
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m serving.tools.gpu_check --export $(RUN)/export $(GPU_CHECK_ARGS)
 
 bench: setup  ## training (trainer vs DMP ceiling vs plain PyTorch) and serving (in-process floor, plain TorchServe, TorchServe gRPC, gateway) ratios
 	$(PY) -m training.bench $(ARGS)
 	$(PY) -m serving.bench $(SERVING_BENCH_ARGS)
+
+.PHONY: bench-scale
+bench-scale: setup  ## cost of each stage vs table size (1M-33.8M rows), and serving at half memory: reports/bench-scale/
+	$(PY) -m serving.bench.scale $(SCALE_ARGS)
 
 test: setup test-deps  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,7 +1,10 @@
-"""The export pipeline: checkpoint -> TorchScript variants -> parity -> schema -> model store.
+"""The export pipeline: checkpoint -> variants (:mod:`training.export.variants`) -> parity ->
+schema -> model store.
 
-:func:`run_export` (``python -m training.export --run-dir runs/demo``, see ``__main__``) writes ``<run>/export/`` (``model_fp32.pt``, ``model_<quant>.pt``, ``schema.json``,
-``parity.json``, ``sample.npz``) and ``model_store/<name>-<version>.mar``. Everything is built
+:func:`run_export` (``python -m training.export --run-dir runs/demo``, see ``__main__``) writes
+``<run>/export/`` (by default ``mapped_<fmt>.pt`` + ``tables_<fmt>.bin`` for int8, fp16 and
+fp32; the files of any other format asked for; ``schema.json``, ``parity.json``,
+``sample.npz``) and ``model_store/<name>-<version>.mar``. Everything is built
 aside first: the export directory in ``<run>/.export.tmp-<pid>``, the .mar (archived from that
 folder) in ``<model_store>/.export-<pid>/``. Only when parity holds (or ``--force`` is given and
 recorded) and the archive is built are they swapped in: the old export directory is renamed
@@ -15,7 +18,6 @@ old one in ``<run>/.export.old-<pid>``; the next export puts it back before star
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -28,6 +30,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from recsys_stack import datafile
 from serving.worker.features import DESCRIPTION as TRANSFORMS
 from training.errors import ConfigError, DataError
 from training.export import variants
@@ -115,7 +118,10 @@ class ExportConfig:
         """Raise ConfigError when the config names no checkpoint."""
         if self.run_dir is None and self.checkpoint is None:
             raise ConfigError("give --run-dir or --checkpoint (run_dir / checkpoint)")
-        named = {v for f in self.formats for v in FORMAT_VARIANTS[f]} | {"fastest"}
+        # what a TorchServe worker can load (onnx needs onnxruntime, aoti this machine's build)
+        named = {
+            v for f in self.formats if f not in ("onnx", "aoti") for v in FORMAT_VARIANTS[f]
+        } | {"fastest"}
         if self.cpu_variant not in named:
             raise ConfigError(
                 f"cpu_variant = {self.cpu_variant}: the formats written give "
@@ -163,6 +169,23 @@ def parity_arrays(ecfg: ExportConfig, train_cfg: Any) -> Arrays:
     return arrays
 
 
+def data_record(cfg: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """The data the run trained and held out rows of (schema.json ``data``: files with their
+    fingerprints, rows, the held-out split; :mod:`recsys_stack.datafile`)."""
+    from training.data.criteo import resolve_data_paths
+    from training.data_prep import synthetic_path
+
+    info = meta.get("data", {})
+    try:
+        files = resolve_data_paths(cfg.data.path) if cfg.data.path else [synthetic_path(cfg.data)]
+    except DataError:  # gone since training: recorded by path, the tools then refuse it
+        files = [Path(cfg.data.path)]
+    skipped = int(info.get("parse_report", {}).get("rows_bad", 0))
+    rows = int(info.get("rows", 0))
+    eval_rows = int(info.get("eval_rows", round(rows * cfg.data.eval_fraction)))
+    return datafile.record(files, rows, skipped, cfg.data.eval_fraction, eval_rows)
+
+
 def build_schema(
     ecfg: ExportConfig,
     cfg: Any,
@@ -208,6 +231,7 @@ def build_schema(
             "preset": cfg.name,
             "world_size": meta.get("world_size"),
         },
+        "data": data_record(cfg, meta),
         "training_metrics": meta.get("metrics", {}),
         "parity": {"ok": parity["ok"], "forced": parity.get("forced", False), "auc": parity["auc"]},
         "versions": {"torch": torch.__version__},
@@ -286,6 +310,8 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     mar = None
+    clock = time.perf_counter()
+    timings: dict[str, float] = {}
     try:
         built_variants = variants.build(
             ckpt, cfg, tmp, list(ecfg.formats), arrays, ecfg.eager_check_bytes, ecfg.progress
@@ -294,6 +320,7 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
         ref, ref_model = built_variants.reference, built_variants.reference_model
         compared = {v: m for v, m in loaded.items() if not (ref == "fp32" and v == "fp32")}
         reduced = [v for v in loaded if v in REDUCED]
+        timings["variants_s"] = time.perf_counter() - clock
         # check what was saved, as loaded back
         parity = parity_report(ref_model, compared, arrays, quantized=reduced, reference=ref)
         if not parity["ok"]:
@@ -326,7 +353,9 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
         np.savez(tmp / "sample.npz", **arrays_out)  # type: ignore[arg-type]
         schema = build_schema(ecfg, cfg, meta, ckpt, files, parity, served, fastest, cuda)
         (tmp / "schema.json").write_text(json.dumps(schema, indent=2))
+        timings["parity_s"] = time.perf_counter() - clock - timings["variants_s"]
         built = None
+        clock = time.perf_counter()
         if ecfg.archive:  # from the folder built aside, into a staging folder in the store
             ecfg.model_store.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)
@@ -339,6 +368,8 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
             )  # fmt: skip
             # Checked again right before the swap: another export may have taken the version.
             check_target(ecfg.model_store, ecfg.name, ecfg.version, ecfg.overwrite)
+        timings["archive_s"] = time.perf_counter() - clock
+        (tmp / "timings.json").write_text(json.dumps(timings, indent=2))
         mar = _swap_in(tmp, final, aside, built, ecfg.model_store / built.name if built else None)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -348,4 +379,5 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
         "mar": str(mar) if mar else None,
         "schema": schema,
         "parity": parity,
+        "timings": timings,
     }

@@ -6,7 +6,7 @@ and MLPs into :class:`serving.worker.portable_model.PortableScorer`; :func:`save
 * ``model_portable.pt`` / ``model_portable_fp16.pt``: TorchScript, fp32 / fp16 weights;
 * ``model_portable.pt2``: a ``torch.export`` program (dynamic batch), fp32;
 * ``model_portable_aoti.pt2``: the same, AOTInductor-compiled for this machine's device
-  (``--aoti``: ~1 min of C++ compile for the criteo shape; needs a C++ compiler);
+  (the ``aoti`` format: ~1 min of C++ compile for the criteo shape; needs a C++ compiler);
 * ``model_portable.onnx`` (``training/export/onnx_export.py``);
 * ``portable_state.pt``: the spec and plain weights (``torch.save``), from which any torch
   version rebuilds the module (``serving.tools.gpu_check`` does on a CUDA machine).
