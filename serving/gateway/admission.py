@@ -2,9 +2,12 @@
 
 Two rules, checked before a request joins the coalescer's queue:
 
-- **A budget of examples in flight** (``limits.max_inflight_examples``): beyond it a request is
-  refused at once with RESOURCE_EXHAUSTED instead of queueing behind work that already fills the
-  backends (a queue only turns overload into timeouts for everyone, health probes included).
+- **Budgets of work in flight**: examples (``limits.max_inflight_examples``) and ids
+  (``limits.max_inflight_ids``: a 1,000-example request with 64 ids per feature is ~60x the
+  work of one with 1 id, which a count of examples cannot see). Beyond either a request is
+  refused at once with RESOURCE_EXHAUSTED instead of queueing behind work that already fills
+  the backends (a queue only turns overload into timeouts for everyone, health probes
+  included). With nothing in flight any request within the per-request limits is admitted.
 - **A deadline that cannot be met**: while other requests are in flight, a request whose
   remaining deadline is shorter than the backends' recent call latency is refused at once with
   DEADLINE_EXCEEDED, instead of using a slot for an answer that would arrive too late. The
@@ -66,7 +69,10 @@ class Admission:
 
     max_examples: int
     """Most examples admitted at once (requests being validated, queued or scored)."""
+    max_ids: int | None = None
+    """Most sparse ids admitted at once (None: no budget of ids)."""
     in_flight: int = 0
+    ids_in_flight: int = 0
     latency_s: float = 0.0
     """Backend call latency, seconds, as of :attr:`latency_at` (0 until the first call); read
     it through :meth:`latency` (decayed to now)."""
@@ -85,11 +91,17 @@ class Admission:
     """The largest request admitted in the last :data:`PEAK_WINDOW_S` (about)."""
     peak_at: float = 0.0
 
-    def admit(self, examples: int, time_remaining: float | None) -> None:
-        """Reserve ``examples`` or raise :class:`ScoreError` (the caller must :meth:`release`
-        exactly what was admitted)."""
+    def admit(self, examples: int, time_remaining: float | None, ids: int = 0) -> None:
+        """Reserve ``examples`` and ``ids`` or raise :class:`ScoreError` (the caller must
+        :meth:`release` exactly what was admitted)."""
         self.check(examples, time_remaining)
+        if self.max_ids is not None and self.in_flight and self.ids_in_flight + ids > self.max_ids:
+            raise self.refusal(
+                message=f"overloaded: {self.ids_in_flight} ids in flight, the limit is "
+                f"{self.max_ids}; retry with backoff"
+            )
         self.in_flight += examples
+        self.ids_in_flight += ids
         own = _DOOR.get()
         if own:  # this call's place at the door becomes its real size
             self.reserved -= own
@@ -163,8 +175,9 @@ class Admission:
         self.reserved -= _DOOR.get()
         _DOOR.reset(token)
 
-    def release(self, examples: int) -> None:
+    def release(self, examples: int, ids: int = 0) -> None:
         self.in_flight -= examples
+        self.ids_in_flight -= ids
 
     def latency(self, now: float | None = None) -> float:
         """The backends' recent call latency (seconds), decayed by the time since the last

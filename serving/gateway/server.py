@@ -61,8 +61,9 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         self.slots = c.calls_per_backend * len(pool.backends)
         self.body_limit = cfg.backend_max_bytes - ENVELOPE_BYTES - HEADER.size
         self.coalescers: dict[str, Coalescer] = {}  # per version: a merged call is one version
+        lim = cfg.limits
         self.admission = Admission(
-            cfg.limits.max_inflight_examples, prior_examples=cfg.limits.max_examples
+            lim.max_inflight_examples, lim.max_inflight_ids, prior_examples=lim.max_examples
         )
 
     @property
@@ -131,7 +132,8 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         version = self.resolve(version)
         examples = int(arrays[0].shape[0])
         metrics.examples(examples)
-        self.admission.admit(examples, time_remaining)  # raises ScoreError: refused at once
+        ids = int(arrays[1].size)
+        self.admission.admit(examples, time_remaining, ids)  # ScoreError: refused at once
         error: ScoreError | None = None  # the version's failure: counted by status code
         try:
             if self.cfg.coalesce.enabled:
@@ -148,7 +150,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         except ScoreCountError as e:
             error = ScoreError(grpc.StatusCode.INTERNAL, f"TorchServe returned {e}")
         finally:
-            self.admission.release(examples)
+            self.admission.release(examples, ids)
         if error is not None:
             metrics.failed(version, error.code)
             raise error

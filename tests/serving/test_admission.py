@@ -135,3 +135,21 @@ def test_health_hears_of_a_gate_that_refuses_everything(monkeypatch: pytest.Monk
     a.release(1)
     a.admit(1, 0.01)  # idle: a call goes through, and health may say SERVING again
     assert not a.refusing_all()
+
+
+def test_the_budget_counts_ids_not_only_examples() -> None:
+    """Issue 20: a 1,000-example request with 64 ids per feature is ~60x the work of one with
+    1 id; a budget of examples alone admitted two at once where the ids say one is enough."""
+    a = Admission(16384, 1 << 20, prior_examples=1000)
+    heavy = 1000 * 26 * 64  # 1.66M ids: over the budget, admitted alone (nothing in flight)
+    a.admit(1000, None, heavy)
+    with pytest.raises(ScoreError) as e:  # 2,000 examples of 16,384: examples alone admit it
+        a.admit(1000, None, heavy)
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"{heavy} ids in flight, the limit is {1 << 20}" in e.value.message
+    assert a.in_flight == 1000 and a.ids_in_flight == heavy  # the refusal reserved nothing
+    light = 1000 * 26  # the same examples with 1 id per feature fit beside it... once released
+    a.release(1000, heavy)
+    for _ in range(16):
+        a.admit(1000, None, light)  # 16,000 examples, 416k ids: both budgets hold
+    assert a.ids_in_flight == 16 * light
