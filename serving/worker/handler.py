@@ -12,9 +12,11 @@ requests of different sizes; they run as one forward. A malformed request fails 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ except ImportError:
     from serving.worker.scoring import ScoringModel, choose_variant, to_tensors
 
 logger = logging.getLogger(__name__)
+RETUNE_S = 2.0  # how often a CPU worker recounts the replica's workers (a /proc scan: ~1 ms)
 
 
 def choose_device(gpu_id: int | None, cuda_available: bool) -> torch.device:
@@ -49,15 +52,37 @@ def cpu_threads(env: dict[str, str], cores: int, workers: int) -> int:
     return max(1, cores // max(workers, 1))
 
 
+def replica_workers() -> int:
+    """TorchServe workers on this replica, of every model and version: the processes sharing
+    this worker's parent (the frontend) that run the worker script; 0 when /proc says nothing.
+    While a rollout has two versions registered there are twice the workers of one."""
+    parent, count = os.getppid(), 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                    count += (
+                        b"model_service_worker" in Path(f"/proc/{entry.name}/cmdline").read_bytes()
+                    )
+    return count
+
+
 class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
     """TorchServe entry point (``--handler serving/worker/handler.py``)."""
+
+    device = torch.device("cpu")
+    retuned_at = 0.0
 
     def initialize(self, context: Any) -> None:
         props = context.system_properties
         gpu_id = props.get("gpu_id")
         device = choose_device(None if gpu_id is None else int(gpu_id), torch.cuda.is_available())
+        self.device, self.retuned_at = device, time.monotonic()
         if device.type == "cpu":
-            workers = int(os.environ.get("RECSYS_WORKERS", "1"))
+            workers = replica_workers() or int(os.environ.get("RECSYS_WORKERS", "1"))
             torch.set_num_threads(cpu_threads(dict(os.environ), os.cpu_count() or 1, workers))
         model_dir = Path(props["model_dir"])
         schema = json.loads((model_dir / "schema.json").read_text())
@@ -75,11 +100,25 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
             torch.get_num_threads(), warm_s,
         )  # fmt: skip
 
+    def retune(self) -> None:
+        """Every :data:`RETUNE_S`: the cores shared among the workers the replica runs now (a
+        rollout registers a second version's workers beside these, then removes them)."""
+        now = time.monotonic()
+        if self.device.type != "cpu" or now - self.retuned_at < RETUNE_S:
+            return
+        self.retuned_at = now
+        workers = replica_workers()
+        threads = cpu_threads(dict(os.environ), os.cpu_count() or 1, workers)
+        if workers and threads != torch.get_num_threads():
+            logger.info("recsys handler: %d workers on this replica: %d threads", workers, threads)
+            torch.set_num_threads(threads)
+
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
         """Decode each request (RSB1 bytes, or JSON ``instances``), one forward, split back.
 
         Every failure is its own request's: a body that does not decode (or a request the model
         raises on) gets the handler's rejection with its reason, its batch-mates still score."""
+        self.retune()
         decoded: list[Any] = []
         for i, row in enumerate(data):
             try:
