@@ -83,8 +83,10 @@ class TableWriter:
         self.file.close()
         if self.written != self.rows:
             raise ValueError(f"{self.path.name}: {self.written} rows written for {self.rows}")
+        digest = sha256(self.path)
+        drop_cached(self.path)
         return {"file": self.path.name, "format": self.fmt, "rows": self.rows, "dim": self.dim,
-                "bytes": self.rows * self.width, "sha256": sha256(self.path)}  # fmt: skip
+                "bytes": self.rows * self.width, "sha256": digest}  # fmt: skip
 
 
 def write_tables(
@@ -95,6 +97,19 @@ def write_tables(
     for start, rows in chunks:
         writer.write(start, rows)
     return writer.close()
+
+
+def drop_cached(path: Path) -> None:
+    """Evict ``path``'s pages from the page cache (written and synced, so clean). Just written
+    sequentially, they sit in large folios: a process mapping the file then maps a whole folio
+    per fault (measured: 13k random rows of the Kaggle int8 tables mapped 738 of its 810 MB),
+    so a reader of a few rows would account for most of the file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def sha256(path: Path) -> str:
