@@ -99,10 +99,11 @@ class ExportConfig:
     """Build the .mar (off: only the export directory)."""
     progress: bool = True
     """Progress bars while the parity rows are generated or preprocessed."""
-    eager_check_bytes: int = 1 << 30
+    eager_check_bytes: int = 256 << 20
     """Also score the parity rows with TorchRec's own eager model (it holds every table in
-    memory) when the fp32 tables are at most this many bytes; larger models are checked
-    against the streamed fp32 tables."""
+    memory, about 3x their bytes at peak) when the fp32 tables are at most this many bytes;
+    larger models are checked against the streamed fp32 tables (the trained weights, and the
+    suite checks the portable scorer's math against TorchRec's on small models)."""
     cpu_variant: str = "int8"
     """What CPU workers serve (the .mar's file): a written variant (int8, fp32, ts_int8,
     portable, ...) or ``fastest`` (the fastest measured at batch 100 among those passing
