@@ -15,6 +15,7 @@ so a retry after a fast failure cannot do harm.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ import numpy as np
 from serving.gateway import metrics
 from serving.torchserve.client import PREDICTIONS, inference_pb2, predictions_envelope
 from serving.torchserve.keys import KeyFileError, KeySource
-from serving.worker.codec import CodecError, decode_response, encode_request
+from serving.worker.codec import DESCRIBE, CodecError, decode_response, encode_request
 
 logger = logging.getLogger("serving.gateway.backends")
 RECONNECT_OPTIONS = (
@@ -107,6 +108,9 @@ class Backend:
     in_flight: int = 0
     problems: dict[str, str] = field(default_factory=dict)
     """Per model version: why its last probe failed (absent = it passed)."""
+    served: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per model version in rotation: what its workers serve (device, variant, dtype), as
+    the handler describes it; asked again after the backend leaves rotation."""
 
     @property
     def healthy(self) -> bool:
@@ -247,9 +251,48 @@ class BackendPool:
             )
         if problem:
             backend.problems[version] = problem
+            if backend.served.pop(version, None) is not None:
+                metrics.serving(backend.target, version, None)
         else:
             backend.problems.pop(version, None)
+            if version not in backend.served:
+                await self.describe(backend, version)
         return not problem
+
+    async def describe(self, backend: Backend, version: str) -> None:
+        """Ask ``backend``'s workers of ``version`` what they serve (the handler answers an
+        input named ``describe`` with JSON); a backend that does not say is left unnamed."""
+        request = inference_pb2.PredictionsRequest(
+            model_name=self.model_name, model_version=version, input={DESCRIBE: b"1"}
+        ).SerializeToString()
+        try:
+            reply = await self._call(backend, request)
+            info = json.loads(bytes(reply.prediction))
+            served = {k: str(info[k]) for k in ("device", "variant", "dtype")}
+        except (grpc.aio.AioRpcError, KeyFileError, ValueError, KeyError, TypeError) as e:
+            logger.warning(
+                "backend %s does not say what serves v%s: %s", backend.target, version, e
+            )
+            return
+        backend.served[version] = served
+        metrics.serving(backend.target, version, served)
+        logger.info("backend %s serves v%s: %s", backend.target, version, served)
+
+    def served(self, target: str, version: str) -> dict[str, str]:
+        """What ``target`` serves for ``version`` ({} until it said)."""
+        for b in self.backends:
+            if b.target == target:
+                return b.served.get(version, {})
+        return {}
+
+    def call_metadata(self, target: str, version: str) -> tuple[tuple[str, str], ...]:
+        """The initial metadata of an answer scored by ``target``: the backend, and what it
+        serves (``x-recsys-served: device=cpu variant=int8 dtype=int8``) once it said."""
+        served = self.served(target, version)
+        described = " ".join(f"{k}={v}" for k, v in served.items())
+        return (("x-recsys-backend", target),) + (
+            (("x-recsys-served", described),) if served else ()
+        )
 
     async def refresh(self, versions: Sequence[str], dense: int, sparse: int) -> bool:
         """Probe every backend for every version once (versions no longer listed leave
@@ -270,6 +313,8 @@ class BackendPool:
             for gone in set(backend.ready) - set(versions):
                 del backend.ready[gone]
                 backend.problems.pop(gone, None)
+                if backend.served.pop(gone, None) is not None:
+                    metrics.serving(backend.target, gone, None)
         return self.ready(versions[0])
 
     async def close(self) -> None:

@@ -229,8 +229,12 @@ class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc
             )
         except ScoreError as e:
             await context.abort(e.code, e.message)
-        await context.send_initial_metadata((("x-recsys-backend", backend),))
-        return encode_scores(request, scores, version, raw=bool(request.raw_input_contents))
+        await context.send_initial_metadata(self.ranker.pool.call_metadata(backend, version))
+        reply = encode_scores(request, scores, version, raw=bool(request.raw_input_contents))
+        # what scored it, in the protocol's own place for it (ModelMetadata has no parameters)
+        for key, value in {"backend": backend, **self.ranker.pool.served(backend, version)}.items():
+            reply.parameters[key].string_param = value
+        return reply
 
 
 def add_to_server(ranker: Scorer, server: grpc.aio.Server) -> None:

@@ -121,6 +121,12 @@ class GatewayMetrics:
             f"{PREFIX}_scores", "mean click probability of each request, per model version",
             ["model_version"], buckets=[i / 20 for i in range(1, 21)], registry=r,
         )  # fmt: skip
+        self.serving = Gauge(
+            f"{PREFIX}_backend_serving_info", "what a backend's workers serve for a version "
+            "(1 per backend and version in rotation)",
+            ["backend", "model_version", "device", "variant", "dtype"], registry=r,
+        )  # fmt: skip
+        self._serving: dict[tuple[str, str], tuple[str, ...]] = {}
         self._by_version: dict[str, tuple[Any, Any]] = {}
         self._failed: dict[tuple[str, Any], Any] = {}
 
@@ -208,6 +214,18 @@ def failed(version: str, code: grpc.StatusCode) -> None:
             child = _current.version_requests.labels(version, code.name)
             _current._failed[(version, code)] = child
         child.inc()
+
+
+def serving(backend: str, version: str, served: dict[str, str] | None) -> None:
+    """What ``backend`` serves for ``version`` (device, variant, dtype); None: nothing now."""
+    if _current is not None:
+        old = _current._serving.pop((backend, version), None)
+        if old is not None:
+            _current.serving.remove(*old)
+        if served is not None:
+            labels = (backend, version, served["device"], served["variant"], served["dtype"])
+            _current.serving.labels(*labels).set(1)
+            _current._serving[(backend, version)] = labels
 
 
 def rejected(reason: str) -> None:

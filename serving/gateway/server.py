@@ -186,7 +186,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             )
         except ScoreError as e:
             await context.abort(e.code, e.message)
-        await context.send_initial_metadata((("x-recsys-backend", backend),))
+        await context.send_initial_metadata(self.pool.call_metadata(backend, version))
         return ranker_pb2.ScoreResponse(
             scores=scores.tolist(),
             model_name=self.plan.model,

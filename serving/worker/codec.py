@@ -29,6 +29,9 @@ HEADER = struct.Struct("<4sIIII")
 # per-request status a handler sets (REST answers 400) and returns OK with this text as the
 # prediction, so readers must check for it before decoding scores.
 REJECTION = b"invalid request: "
+# a Predictions input of this name (and no body) asks the worker what it serves: its answer is
+# JSON {"device", "variant", "file", "dtype", "threads"} (the gateway asks once per version)
+DESCRIBE = "describe"
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 

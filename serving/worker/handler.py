@@ -28,10 +28,22 @@ except ImportError:  # pragma: no cover - unit tests without TorchServe
     BaseHandler = object  # type: ignore[misc,assignment]
 
 try:  # TorchServe puts the archive's extra files beside the handler, not in a package
-    from codec import REJECTION, CodecError, decode_json, encode_response  # type: ignore[import-not-found]
+    from codec import (  # type: ignore[import-not-found]
+        DESCRIBE,
+        REJECTION,
+        CodecError,
+        decode_json,
+        encode_response,
+    )
     from scoring import ScoringModel, choose_variant, to_tensors  # type: ignore[import-not-found]
 except ImportError:
-    from serving.worker.codec import REJECTION, CodecError, decode_json, encode_response
+    from serving.worker.codec import (
+        DESCRIBE,
+        REJECTION,
+        CodecError,
+        decode_json,
+        encode_response,
+    )
     from serving.worker.scoring import ScoringModel, choose_variant, to_tensors
 
 logger = logging.getLogger(__name__)
@@ -73,14 +85,15 @@ def replica_workers() -> int:
 class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
     """TorchServe entry point (``--handler serving/worker/handler.py``)."""
 
-    device = torch.device("cpu")
+    on = torch.device("cpu")  # the device this worker scores on (BaseHandler owns .device)
     retuned_at = 0.0
+    served: dict[str, str] = {}  # noqa: RUF012  set per instance by initialize
 
     def initialize(self, context: Any) -> None:
         props = context.system_properties
         gpu_id = props.get("gpu_id")
         device = choose_device(None if gpu_id is None else int(gpu_id), torch.cuda.is_available())
-        self.device, self.retuned_at = device, time.monotonic()
+        self.on, self.retuned_at = device, time.monotonic()
         if device.type == "cpu":
             workers = replica_workers() or int(os.environ.get("RECSYS_WORKERS", "1"))
             torch.set_num_threads(cpu_threads(dict(os.environ), os.cpu_count() or 1, workers))
@@ -91,6 +104,11 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
         )
         self.scoring = ScoringModel(model_dir, artifact, device, dtype)
         self.variant = variant
+        info = schema.get("variants", {}).get(variant, {})
+        self.served = {
+            "device": str(device), "variant": variant, "file": artifact,
+            "dtype": str(dtype).removeprefix("torch.") if dtype else info.get("dtype", "fp32"),
+        }  # fmt: skip
         warm = os.environ.get("RECSYS_WARM_UP", "1") != "0"  # 0: skip (tests of startup)
         warm_s = self.scoring.warm_up() if warm else 0.0
         self.initialized = True
@@ -104,7 +122,7 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
         """Every :data:`RETUNE_S`: the cores shared among the workers the replica runs now (a
         rollout registers a second version's workers beside these, then removes them)."""
         now = time.monotonic()
-        if self.device.type != "cpu" or now - self.retuned_at < RETUNE_S:
+        if self.on.type != "cpu" or now - self.retuned_at < RETUNE_S:
             return
         self.retuned_at = now
         workers = replica_workers()
@@ -121,6 +139,11 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
         self.retune()
         decoded: list[Any] = []
         for i, row in enumerate(data):
+            if DESCRIBE in row:  # the gateway asks what serves (once per replica and version)
+                decoded.append(
+                    json.dumps({**self.served, "threads": torch.get_num_threads()}).encode()
+                )
+                continue
             try:
                 decoded.append(self._decode(row))
             except Exception as e:  # any failure here is this request's alone

@@ -128,6 +128,10 @@ def test_typed_contents_in_typed_contents_out(stack: Stack, served: tuple[str, s
     with grpc.insecure_channel(stack.target) as channel:
         reply = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
     assert not reply.raw_output_contents
+    # what scored it (KServe v2's ModelMetadata has no parameters: the answer carries them)
+    params = {k: v.string_param for k, v in reply.parameters.items()}
+    assert params == {"backend": stack.cfg.grpc_inference_target, "device": "cpu",
+                      "variant": variant, "dtype": variant}  # fmt: skip
     (out,) = reply.outputs
     assert (out.name, out.datatype, list(out.shape)) == ("scores", "FP32", [B])
     np.testing.assert_allclose(

@@ -157,6 +157,31 @@ def test_endpoint_counts_the_tests_own_calls(
     }
     assert sorted(healthy.values()) == [0.0, 1.0]  # the live TorchServe, the dead port
     assert healthy[torchserve[0].grpc_inference_target] == 1.0
+    # what serves, per backend in rotation (issue 20): the handler's own word
+    live = torchserve[0].grpc_inference_target
+    serving = [dict(labels) for (n, labels), v in got.items()
+               if n == "recsys_gateway_backend_serving_info" and v == 1]  # fmt: skip
+    assert serving == [
+        {"backend": live, "model_version": schema.model_version, "device": "cpu",
+         "variant": "int8", "dtype": "int8"}
+    ]  # fmt: skip
+
+
+def test_answers_say_what_scored_them(
+    gateway: tuple[str, int],
+    exported: tuple[Path, Path, str],
+    torchserve: tuple[TorchServeConfig, subprocess.Popen[bytes]],
+) -> None:
+    """recsys.v1 answers name the backend and its device, variant and dtype in their initial
+    metadata (KServe v2's, in the response's parameters: tests/serving/test_kserve.py)."""
+    s = np.load(exported[0] / "sample.npz")
+    good = build_request(s["dense"][:3], to_rows(s["values"], s["lengths"])[:3])
+    md = (("authorization", f"Bearer {TOKEN}"),)
+    with grpc.insecure_channel(gateway[0]) as ch:
+        _, call = ranker_pb2_grpc.RankerStub(ch).Score.with_call(good, metadata=md, timeout=10)
+    headers = dict(call.initial_metadata())
+    assert headers["x-recsys-backend"] == torchserve[0].grpc_inference_target
+    assert headers["x-recsys-served"] == "device=cpu variant=int8 dtype=int8"
 
 
 # --- a real Prometheus ------------------------------------------------------------------------
