@@ -26,6 +26,8 @@ import grpc
 import numpy as np
 
 from serving.gateway import metrics
+from serving.gateway.config import HedgeConfig
+from serving.gateway.hedge import Hedger
 from serving.torchserve.client import PREDICTIONS, inference_pb2, predictions_envelope
 from serving.torchserve.keys import KeyFileError, KeySource
 from serving.worker.codec import DESCRIBE, CodecError, decode_response, encode_request
@@ -108,6 +110,8 @@ class Backend:
     in_flight: int = 0
     problems: dict[str, str] = field(default_factory=dict)
     """Per model version: why its last probe failed (absent = it passed)."""
+    stalled: bool = False
+    """A call of it had to be hedged: new calls prefer the others until a probe passes."""
     served: dict[str, dict[str, str]] = field(default_factory=dict)
     """Per model version in rotation: what its workers serve (device, variant, dtype), as
     the handler describes it; asked again after the backend leaves rotation."""
@@ -127,6 +131,7 @@ class BackendPool:
         deadline_s: float,
         options: Sequence[tuple[str, Any]] = (),
         deadline_per_mb_s: float = 0.0,
+        hedge: HedgeConfig | None = None,
     ) -> None:
         files = list(key_files) * len(targets) if len(key_files) == 1 else list(key_files)
         # gRPC backs off reconnecting up to 120 s by default: a replica restarted after a long
@@ -142,6 +147,7 @@ class BackendPool:
             )
             self.backends.append(Backend(target, KeySource(key_file), channel, predictions))
         self.model_name = model_name
+        self.hedger = Hedger(hedge or HedgeConfig(ratio=0.0))
         self.deadline_s = deadline_s
         self.deadline_per_mb_s = deadline_per_mb_s
         self.cordoned: frozenset[str] = frozenset()
@@ -156,8 +162,8 @@ class BackendPool:
     def pick(self, tried: set[int], version: str) -> int | None:
         """The next backend not yet tried: those in rotation for ``version`` first; among them
         the one with the fewest calls in flight (a replica that hangs, e.g. paused, holds only
-        the calls it already has), round robin between equals; cordoned ones only when no
-        other is in rotation."""
+        the calls it already has), round robin between equals; cordoned ones, and stalled ones
+        (a call had to be hedged away from them), only when no other is in rotation."""
         n = len(self.backends)
         order = [(self._next + k) % n for k in range(n)]
         for rank in (0, 1, 2):  # in rotation and not cordoned; in rotation; any
@@ -173,7 +179,7 @@ class BackendPool:
     def _rank(self, backend: Backend, version: str) -> int:
         if not backend.ready.get(version, False):
             return 2
-        return 1 if backend.target in self.cordoned else 0
+        return 1 if backend.stalled or backend.target in self.cordoned else 0
 
     def timeout(self, body_bytes: int) -> float:
         """The backend deadline of a call: larger bodies take longer to move and score."""
@@ -205,9 +211,12 @@ class BackendPool:
             client_bound = left is not None and left < own
             backend.in_flight += 1
             try:
-                reply = await self._call(backend, request, left if client_bound else own)
-                backend.calls += 1
-                return bytes(reply.prediction), backend.target
+                started = loop.time()
+                limit = left if client_bound and left is not None else own
+                reply, answered = await self._first(backend, request, limit, version, tried)
+                self.hedger.observe(loop.time() - started)
+                answered.calls += 1
+                return bytes(reply.prediction), answered.target
             except grpc.aio.AioRpcError as e:
                 code, message = map_backend_error(e, client_bound, own)
                 timed_out = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -227,6 +236,42 @@ class BackendPool:
                 raise last
             metrics.failover(backend.target)
         raise last or BackendError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
+
+    async def _first(
+        self, backend: Backend, request: bytes, timeout: float, version: str, tried: set[int]
+    ) -> tuple[Any, Backend]:
+        """``backend``'s answer, or a hedge's (:mod:`serving.gateway.hedge`): when it has not
+        answered by the recent tail and another replica in rotation (not tried, not cordoned)
+        exists and the budget allows, the call goes there too and the first answer wins. A
+        failure of one copy waits for the other; both failing raise the first copy's error."""
+        self.hedger.earn()
+        primary = asyncio.ensure_future(self._call(backend, request, timeout))
+        delay = self.hedger.delay()
+        if delay is None or delay >= timeout:
+            return await primary, backend
+        done, _ = await asyncio.wait({primary}, timeout=delay)
+        others = [j for j in range(len(self.backends)) if j not in tried]
+        ready = [j for j in others if self._rank(self.backends[j], version) == 0]
+        if done or not ready or not self.hedger.spend():
+            return await primary, backend
+        backend.stalled = True  # new calls go elsewhere until it answers a probe
+        other = self.backends[min(ready, key=lambda j: self.backends[j].in_flight)]
+        metrics.hedged(other.target)
+        other.in_flight += 1
+        second = asyncio.ensure_future(self._call(other, request, timeout - delay))
+        copies = {primary: backend, second: other}
+        try:
+            pending = set(copies)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None:
+                        return task.result(), copies[task]
+            return primary.result(), backend  # both failed: the first copy's error
+        finally:
+            other.in_flight -= 1
+            for task in copies:
+                task.cancel()
 
     async def _call(self, backend: Backend, request: bytes, timeout: float | None = None) -> Any:
         """One ``Predictions`` call of a serialized request; ``timeout`` None = the backend
@@ -255,6 +300,7 @@ class BackendPool:
                 metrics.serving(backend.target, version, None)
         else:
             backend.problems.pop(version, None)
+            backend.stalled = False
             if version not in backend.served:
                 await self.describe(backend, version)
         return not problem

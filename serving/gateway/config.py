@@ -38,6 +38,29 @@ class CoalesceConfig:
 
 
 @dataclass
+class HedgeConfig:
+    """Hedged backend calls (serving/gateway/hedge.py): scoring has no side effects, so a call
+    a replica has not answered by the backends' recent tail is sent to another as well."""
+
+    ratio: float = 0.05
+    """Most hedges per backend call, over time (a budget that earns this much per call): a
+    stalled replica costs a few percent more calls, never twice the load. 0 = no hedging."""
+    quantile: float = 0.95
+    """Hedge a call that has not answered after ``factor`` x this quantile of recent call
+    latencies..."""
+    factor: float = 2.0
+    """...(the healthy tail seldom reaches twice the p95: the budget stays for stalls)..."""
+    min_ms: float = 20.0
+    """...and never before this many milliseconds."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.ratio <= 1 and 0 < self.quantile < 1 and self.factor >= 1):
+            raise ValueError("hedge: ratio in [0, 1], quantile in (0, 1), factor >= 1")
+        if self.min_ms < 0:
+            raise ValueError("hedge: min_ms >= 0")
+
+
+@dataclass
 class AuthConfig:
     """Bearer tokens on every gateway service (serving/gateway/auth.py)."""
 
@@ -122,6 +145,8 @@ class GatewayConfig:
     """What one request may carry (larger ones are INVALID_ARGUMENT)."""
     coalesce: CoalesceConfig = field(default_factory=CoalesceConfig)
     """Adaptive merging of concurrent requests into TorchServe calls."""
+    hedge: HedgeConfig = field(default_factory=HedgeConfig)
+    """A second copy of a call that its replica is slow to answer, within a budget."""
     auth: AuthConfig = field(default_factory=AuthConfig)
     """Who may call (bearer tokens); health open by default."""
     tls: TlsConfig = field(default_factory=TlsConfig)
@@ -186,9 +211,10 @@ class ClientConfig(ChannelConfig):
     """Score Criteo TSV rows through the gateway."""
 
     data: Path | None = None
-    """Criteo TSV to score (label column optional); required."""
+    """Criteo TSV to score (label column optional); default: the held-out rows of the data the
+    served model was trained on (its schema.json's record; the stack of ``workdir``)."""
     rows: int = 10
-    """Rows to score, from the top of the file."""
+    """Rows to score, from the top of the file (or of the held-out rows)."""
     batch: int = 100
     """Examples per request."""
     host: str = "127.0.0.1"
@@ -197,6 +223,9 @@ class ClientConfig(ChannelConfig):
     """The gateway's port."""
     timeout_s: float = 5.0
     """Deadline of each call."""
+    workdir: Path = env_field("RECSYS_SERVE_DIR", Path("runs/serve"))
+    """The running stack's state folder (``make serve``'s): whose served model's data is the
+    default."""
 
     @property
     def target(self) -> str:

@@ -101,6 +101,10 @@ class GatewayMetrics:
             "cannot have reached a worker", ["backend"], registry=r,
         )  # fmt: skip
         self.failovers: dict[str, Any] = {}
+        self._hedges = Counter(
+            f"{PREFIX}_backend_hedges", "second copies of calls their first backend was slow to "
+            "answer, by the backend the copy went to", ["backend"], registry=r,
+        )  # fmt: skip
         self.model = Gauge(
             f"{PREFIX}_model_info", "the served model versions", ["model_name", "model_version"],
             registry=r,
@@ -236,6 +240,12 @@ def rejected(reason: str) -> None:
         if child is None:
             child = _current.rejections[reason] = _current.rejections_total.labels(reason)
         child.inc()
+
+
+def hedged(backend: str) -> None:
+    """A slow call's second copy goes to ``backend`` (serving/gateway/hedge.py)."""
+    if _current is not None:
+        _current._hedges.labels(backend).inc()
 
 
 def failover(backend: str) -> None:

@@ -292,6 +292,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         cfg.deadline_s,
         backend_options(cfg),
         cfg.deadline_per_mb_s,
+        cfg.hedge,
     )
     check_exposure(cfg.host, cfg.auth)
     credentials = server_credentials(cfg.tls)

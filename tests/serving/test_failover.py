@@ -6,6 +6,8 @@ succeed with the export's own scores; the traffic must move to the survivor and 
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -48,6 +50,7 @@ class Load:
     ) -> None:
         self.stub, self.request, self.expected = stub, request, expected
         self.records: list[tuple[float, str, str]] = []
+        self.seconds: list[tuple[float, float]] = []  # (start, duration) of every call
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run) for _ in range(threads)]
 
@@ -64,6 +67,7 @@ class Load:
                 self.records.append((t, "OK" if good else "BAD_SCORES", backend))
             except grpc.RpcError as e:
                 self.records.append((t, e.code().name, ""))
+            self.seconds.append((t, time.monotonic() - t))
             time.sleep(0.01)
 
     def window(self, start: float, end: float = float("inf")) -> tuple[Counter[str], Counter[str]]:
@@ -136,4 +140,53 @@ def test_stopping_a_replica_fails_nothing_after_one_deadline(
     assert set(by_backend) == {tb}, by_backend  # nothing reached the stopped replica
     _, by_backend = load.window(t_back, t_end)
     assert by_backend[ta] > 0 and by_backend[tb] > 0, by_backend
+    assert not ours(tmp_path)
+
+
+def test_a_paused_replica_costs_its_callers_a_hedge_not_a_deadline(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    """SIGSTOP one replica (java and its workers) under load: the calls it holds are hedged to
+    the other after the recent tail, so none fails and none waits for the deadline; after
+    SIGCONT it serves again (issue 20, hedged calls)."""
+    export, store, _ = exported
+    a, b = torchserve_config(store, tmp_path / "a"), torchserve_config(store, tmp_path / "b")
+    ta, tb = a.grpc_inference_target, b.grpc_inference_target
+    procs = {"a": start_torchserve(a), "b": start_torchserve(b)}
+    gateway, target = start_gateway(
+        export / "schema.json", [a, b], tmp_path / "gateway.log", deadline_s=DEADLINE_S
+    )
+    s = np.load(export / "sample.npz")
+    request = build_request(s["dense"][:ROWS], to_rows(s["values"], s["lengths"])[:ROWS])
+    with grpc.insecure_channel(target) as channel:
+        load = Load(ranker_pb2_grpc.RankerStub(channel), request, s["probs_int8"][:ROWS])
+        try:
+            wait_status(target, "SERVING", 60)
+            for t in load.threads:
+                t.start()
+            load.wait("both replicas answering", lambda c: bool(c[ta] and c[tb]))
+            time.sleep(1)  # more answered calls: the tail the hedges wait for
+            t_pause = time.monotonic()
+            os.killpg(procs["a"].pid, signal.SIGSTOP)
+            time.sleep(3)
+            os.killpg(procs["a"].pid, signal.SIGCONT)
+            t_resume = time.monotonic()
+            load.wait("a back in rotation", lambda c: bool(c[ta] and c[tb]), timeout=60)
+        finally:
+            load.stop.set()
+            for t in load.threads:
+                if t.is_alive():
+                    t.join()
+            stop_gateway(gateway)
+            for p in procs.values():
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGCONT)
+                process.stop(p)
+    outcomes, _ = load.window(t_pause - 0.5, t_resume)
+    slowest = max(d for t0, d in load.seconds if t_pause - 0.5 <= t0 < t_resume)
+    hedges = (tmp_path / "gateway.log").read_text()
+    print(f"paused 3 s: {dict(outcomes)}, slowest call {slowest * 1e3:.0f} ms")
+    assert set(outcomes) == {"OK"}, outcomes
+    assert slowest < DEADLINE_S / 2, slowest  # the deadline is 1 s: no call waited it out
+    assert "out of rotation" in hedges  # the probes took the paused replica out meanwhile
     assert not ours(tmp_path)
