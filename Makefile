@@ -74,32 +74,37 @@ serve: setup  ## start TorchServe + the gRPC gateway for RUN's export in the bac
 stop:  ## stop the gateway (gracefully) and TorchServe
 	@if [ -x $(PY) ]; then $(PY) -m serving.tools.supervisor stop $(SERVE_ARGS); fi
 
+# The supervisor exits 3 when nothing runs (for scripts); here that is an answer, not a failure.
 .PHONY: status
-status:  ## what `make serve` started: TorchServe's READY workers, the gateway's health
-	@$(PY) -m serving.tools.supervisor status $(SERVE_ARGS)
+status:  ## what `make serve` started: TorchServe's READY workers, the gateway's health ("not running": exit 0)
+	@if [ ! -x $(PY) ]; then echo "not running (no $(VENV) yet: make setup)"; exit 0; fi; \
+	$(PY) -m serving.tools.supervisor status $(SERVE_ARGS); code=$$?; [ $$code -eq 3 ] || exit $$code
 
-score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the synthetic set) through the gateway
-	$(PY) -m serving.tools.client --rows $(ROWS) --data $(or $(DATA),$(firstword $(wildcard data/synthetic/*.tsv)))
+# Without DATA, the score/evaluate/rollout tools take the held-out rows of the data the served
+# model was trained on (recorded in its schema.json) and refuse when that data is gone or changed.
+score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the served model's held-out rows) through the gateway
+	$(PY) -m serving.tools.client --rows $(ROWS) $(if $(DATA),--data $(DATA))
 
 loadtest: setup  ## headless Locust against the gateway: USERS, SPAWN_RATE, DURATION, OUT; report + summary.json + PNG
 	$(PY) -m loadtest.run --users $(USERS) --spawn-rate $(SPAWN_RATE) --duration $(DURATION) --out $(OUT) $(LOADTEST_ARGS)
 
 .PHONY: chaos
 CHAOS_ARGS ?=
-chaos: setup  ## RUN's export on 2 replicas + gateway under Locust, a fault every 20 s for 2 min: OUT/report.json, chaos.png
-	$(PY) -m loadtest.chaos --gateway.schema $(RUN)/export/schema.json --out $(OUT) $(CHAOS_ARGS)
+chaos: setup  ## RUN's export on 2 replicas + gateway under Locust, a fault every 20 s for 2 min: OUT (default reports/chaos-<time>)/report.json, chaos.png
+	$(PY) -m loadtest.chaos --gateway.schema $(RUN)/export/schema.json \
+		--out $(if $(filter file,$(origin OUT)),reports/chaos-$(STAMP),$(OUT)) $(CHAOS_ARGS)
 
 .PHONY: rollout rollback
 ROLLOUT_ARGS ?=
-EVAL_DATA ?= $(firstword $(wildcard data/synthetic/*.tsv))
-rollout: setup  ## roll VERSION out on the running stack: register, evaluate vs the default on EVAL_DATA, 5->50->100%, promote, drain
+EVAL_DATA ?= $(DATA)
+rollout: setup  ## roll VERSION out on the running stack: register, evaluate vs the default on EVAL_DATA (default: its held-out rows), 5->50->100%, promote, drain
 	$(PY) -m serving.tools.rollout $(if $(VERSION),--version $(VERSION)) $(if $(EVAL_DATA),--eval-data $(EVAL_DATA)) $(ROLLOUT_ARGS)
 
 rollback: setup  ## return the running stack to the previous default version (no failed request)
 	$(PY) -m serving.tools.rollout --rollback $(ROLLOUT_ARGS)
 
 .PHONY: evaluate
-evaluate: setup  ## score a labelled Criteo TSV (DATA) through the gateway [VERSION=]: AUC, NE, log loss, calibration -> OUT (JSON + PNG)
+evaluate: setup  ## score labelled rows (DATA; default: the served version's held-out rows) through the gateway [VERSION=]: AUC, NE, log loss, calibration -> OUT (JSON + PNG)
 	$(PY) -m serving.tools.evaluate $(if $(DATA),--data $(DATA)) $(if $(VERSION),--version $(VERSION)) --out $(OUT) $(EVALUATE_ARGS)
 
 demo: setup  ## everything on the embedded default: train -> export -> serve -> score -> load test -> stop

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import sys
 import tomllib
 import types
 import typing
@@ -334,8 +335,22 @@ def from_args(cls: type[T], ns: argparse.Namespace, environ: Mapping[str, str] |
     return load(cls, getattr(ns, "config", None), overrides_from(ns), environ)
 
 
+def command_name(default: str) -> str:
+    """The command the user typed: the console script's name when this process is one
+    (``recsys-gateway``, from ``sys.argv[0]``), else ``default`` (``python -m serving.gateway``:
+    ``python -m`` and in-process callers such as tests)."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return name if name.startswith("recsys-") else default
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with one-line errors, and a suggestion for a misspelled option."""
+    """argparse with one-line errors, a suggestion for a misspelled option, and ``prog`` (the
+    ``usage:`` line) as the user typed the command (:func:`command_name`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("prog"):
+            kwargs["prog"] = command_name(kwargs["prog"])
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
         unknown = message.removeprefix("unrecognized arguments: ")

@@ -2,8 +2,9 @@
 
 ``tqdm`` redraws with carriage returns; redirected to a file (``make bench > log``, CI) that is
 thousands of frames on one line. :func:`progress` returns a real ``tqdm`` bar when stderr is a
-terminal and otherwise one that prints a plain line (``desc: n/total unit, rate``) at most every
-``RECSYS_PROGRESS_INTERVAL`` seconds (default 30) and once at the end.
+terminal and otherwise one that prints a plain line (``desc: n/total unit (rate)``, the rate as
+``s/unit`` below one unit a second) at most every ``RECSYS_PROGRESS_INTERVAL`` seconds (default
+30) and once at the end.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ class _LogBar(tqdm):  # type: ignore[misc]
         total = f"/{self.total}" if self.total else ""
         post = f" {self.postfix}" if self.postfix else ""
         unit = d.get("unit", "it")
-        self.fp.write(
-            f"{self.desc or 'progress'}: {self.n}{total} {unit} ({rate:,.1f} {unit}/s){post}\n"
-        )
+        # a slow unit (a fault every 20 s) as seconds per unit, as tqdm shows it: not 0.0/s
+        pace = f"{1 / rate:,.1f} s/{unit}" if 0 < rate < 1 else f"{rate:,.1f} {unit}/s"
+        self.fp.write(f"{self.desc or 'progress'}: {self.n}{total} {unit} ({pace}){post}\n")
         self.fp.flush()
 
     def close(self) -> None:

@@ -89,8 +89,9 @@ class Plan:
             if (entry.dense, entry.sparse) != (first.dense, first.sparse):
                 raise PlanError(
                     f"plan: version {v!r} takes other features than the default "
-                    f"{self.default!r}: every version of {self.model} must share the request "
-                    "contract (a new feature set is a new model name)"
+                    f"{self.default!r} ({differing(first, entry, 'the default', v)}): every "
+                    f"version of {self.model} must share the request contract (a new feature "
+                    "set is a new model name)"
                 )
         unknown = sorted(set(self.traffic) - set(self.versions))
         if unknown:
@@ -288,6 +289,20 @@ def ordered(plan: Plan) -> Iterable[str]:
     yield from (v for v in plan.versions if v != plan.default)
 
 
+def differing(a: Version | Schema, b: Version | Schema, a_name: str, b_name: str) -> str:
+    """The first difference between two request contracts, named: a feature one of them
+    lacks, or the first position where their orders differ."""
+    for kind in ("dense", "sparse"):
+        fa, fb = getattr(a, kind), getattr(b, kind)
+        for x, y, name, other in ((fa, fb, a_name, b_name), (fb, fa, b_name, a_name)):
+            if only := [f for f in x if f not in y]:
+                return f"{kind} feature {', '.join(only)}: in {name}'s, not in {other}'s"
+        if fa != fb:
+            i = next(i for i, (x, y) in enumerate(zip(fa, fb, strict=False)) if x != y)
+            return f"{kind} features in another order: {fa[i]} vs {fb[i]} at position {i + 1}"
+    return "the same features"
+
+
 class PlanWatcher:
     """Re-reads the serving plan file when it changes (mtime, size); a plan that cannot be
     served here (unreadable, another model, another request contract, a generation older than
@@ -301,14 +316,17 @@ class PlanWatcher:
         """Generation of the last plan :meth:`load` returned (the one applied)."""
 
     def check(self, p: Plan) -> Plan:
-        if p.model != self.schema.model_name or (p.dense, p.sparse) != (
-            self.schema.dense,
-            self.schema.sparse,
-        ):
+        restart = "(start the gateway with the schema.json of the plan's model)"
+        if p.model != self.schema.model_name:
             raise PlanError(
-                f"{self.path}: plans model {p.model} and its features, but this gateway was "
-                f"started for {self.schema.model_name}'s request contract (restart it with "
-                "the new model's schema)"
+                f"{self.path}: plans model {p.model}, but this gateway was started for "
+                f"{self.schema.model_name} {restart}"
+            )
+        if (p.dense, p.sparse) != (self.schema.dense, self.schema.sparse):
+            why = differing(p.versions[p.default], self.schema, "the plan", "the gateway schema")
+            raise PlanError(
+                f"{self.path}: {p.model}'s request contract differs from this gateway's: "
+                f"{why} {restart}"
             )
         return p
 

@@ -1,7 +1,9 @@
 """The rollout's gates: what lets a candidate version go on to more traffic.
 
 * the **evaluation** gate (:func:`compare`): the candidate's AUC through the gateway, on the same
-  labelled rows as the default's, may be lower by ``margin`` at most;
+  labelled rows as the default's, may be lower by ``margin`` at most; and the rows must fit the
+  served model (:func:`misfit`): a default scoring near chance on them (AUC < 0.55 or NE > 1)
+  means they are not data of its kind, and two such figures compared say nothing;
 * the **error** gate (:class:`ErrorGate`): while the canary steps shift traffic, the candidate's
   error ratio may exceed the default's by ``max_error_excess`` at most.
 
@@ -27,6 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 VERSION_REQUESTS = "recsys_gateway_version_requests_total"
 PLAN_GENERATION = "recsys_gateway_plan_generation"
 
+MIN_AUC = 0.55  # below: the default ranks the evaluation rows barely better than chance
+MAX_NE = 1.0  # above: it predicts them worse than their average click rate would
 Outcomes = dict[str, tuple[float, float]]
 """``{version: (requests, errors)}``, as counted since the gateway started."""
 
@@ -104,15 +108,31 @@ class ErrorGate:
         return True, f"{seen}: within {self.max_excess:+.1%}"
 
 
+def misfit(base: dict[str, Any]) -> str | None:
+    """Why the evaluation rows do not fit the served model, judged by its own figures on them
+    (``base``: AUC < :data:`MIN_AUC` or NE > :data:`MAX_NE`); None when they fit."""
+    auc, ne = float(base["auc"]), float(base["normalized_entropy"])
+    if auc >= MIN_AUC and ne <= MAX_NE:
+        return None
+    return (
+        f"scores AUC {auc:.5f}, NE {ne:.5f} on these rows (near chance: AUC < {MIN_AUC} or "
+        f"NE > {MAX_NE:g}): the evaluation data does not fit the model; evaluate on its own "
+        "data (the default), or pass EVAL_DATA=FILE.tsv (--eval-data) of its kind"
+    )
+
+
 def compare(base: dict[str, Any], cand: dict[str, Any], margin: float) -> tuple[bool, str]:
     """``(accept, table)``: the candidate passes when its AUC is at least the default's minus
-    ``margin``."""
+    ``margin``, on rows the default fits (:func:`misfit`)."""
     rows = [("AUC", "auc"), ("NE", "normalized_entropy"), ("log loss", "log_loss"),
             ("calibration", "calibration")]  # fmt: skip
     lines = [f"  {'':12} {'default':>10} {'candidate':>10} {'delta':>10}"]
     for label, key in rows:
         a, b = float(base[key]), float(cand[key])
         lines.append(f"  {label:12} {a:10.5f} {b:10.5f} {b - a:+10.5f}")
+    if why := misfit(base):
+        lines.append(f"  refused: the default {why}")
+        return False, "\n".join(lines)
     change = float(cand["auc"]) - float(base["auc"])
     ok = change >= -margin
     lines.append(

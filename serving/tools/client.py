@@ -1,7 +1,9 @@
 """Client of the gateway: Criteo TSV rows -> ``recsys.v1.ScoreRequest`` -> scores.
 
-``python -m serving.tools.client --data rows.tsv`` (``recsys-score``, ``make score``) prints one
-probability per row (with the label when the file has one). Also a library for tests, the
+``python -m serving.tools.client [--data rows.tsv]`` (``recsys-score``, ``make score``) prints one
+probability per row (with the label when the file has one); without ``--data``, of the held-out
+rows of the data the served model was trained on (serving/tools/evaldata.py). Which rows of
+which file goes to stderr first. Also a library for tests, the
 load generator and the supervisor: :func:`parse_rows`, :func:`build_request`,
 :class:`RankerClient`, :func:`gateway_status`. TLS, mutual TLS and the token: the flags below, or
 ``RECSYS_CLIENT_TLS_*`` and ``RECSYS_GATEWAY_TOKEN_FILE`` (serving/tools/channel.py). Serving never
@@ -24,6 +26,7 @@ from serving.gateway.auth import AuthError, call_metadata, client_token
 from serving.gateway.config import ChannelConfig, ClientConfig
 from serving.stubs import ranker_pb2, ranker_pb2_grpc
 from serving.tools.channel import metadata, open_channel
+from serving.tools.evaldata import NoDefault, Window, default_window, window_lines
 
 DENSE = [f"I{i}" for i in range(1, 14)]
 SPARSE = [f"C{i}" for i in range(1, 27)]
@@ -140,13 +143,28 @@ def gateway_status(target: str, timeout: float = 1.0, channel: ChannelConfig | N
     return health(target, timeout, channel)[0]
 
 
-def read_rows(cfg: ClientConfig) -> Rows:
-    """The first ``cfg.rows`` rows of ``cfg.data``."""
+def rows_window(cfg: ClientConfig) -> Window:
+    """The first ``cfg.rows`` rows of ``cfg.data``, else of the served model's held-out rows."""
     if cfg.data is None:
-        raise ValueError("no rows to score: pass --data FILE.tsv")
-    with cfg.data.open() as f:
-        lines = [line for _, line in zip(range(cfg.rows), f, strict=False)]
-    return parse_rows(lines, str(cfg.data))
+        return default_window(cfg.workdir, "", cfg.rows, "--data")
+    return Window([cfg.data], 0, cfg.rows)
+
+
+def read_rows(window: Window) -> Rows:
+    """The rows of ``window``, parsed."""
+    return parse_rows(list(window_lines(window)), ", ".join(map(str, window.paths)))
+
+
+def rpc_error(e: grpc.RpcError, target: str) -> str:
+    """A failed call in one line; no gateway at ``target`` says how to start one."""
+    code, details = e.code(), e.details() or ""  # type: ignore[attr-defined]
+    refused = "failed to connect" in details and "handshake" not in details.lower()
+    if code == grpc.StatusCode.UNAVAILABLE and refused:  # nothing listens there
+        return (
+            f"UNAVAILABLE: no gateway answers at {target}: start the stack with "
+            "`make serve` (`make status` shows what runs)"
+        )
+    return f"{code.name}: {details}"
 
 
 def score_rows(cfg: ClientConfig, rows: Rows) -> Iterable[str]:
@@ -167,8 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point (``recsys-score``)."""
     try:
         cfg = parse(ClientConfig, argv, "python -m serving.tools.client", __doc__.split("\n\n")[0])
-        rows = read_rows(cfg)
-    except (ConfigError, OSError, ValueError) as e:
+        window = rows_window(cfg)
+        rows = read_rows(window)
+        print(f"scoring {window.describe()}", file=sys.stderr, flush=True)
+    except (ConfigError, OSError, ValueError, NoDefault) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
@@ -178,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        print(f"error: {rpc_error(e, cfg.target)}", file=sys.stderr)
         return 1
     return 0
 

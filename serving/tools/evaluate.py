@@ -1,19 +1,21 @@
 """Served-model evaluation: score a labelled Criteo TSV through the gateway, report its quality.
 
-``python -m serving.tools.evaluate --data labelled.tsv`` (``make evaluate DATA=... [VERSION=...]``)
-reads the rows with the client's own TSV parser, scores them through the running gateway in
+``python -m serving.tools.evaluate [--data labelled.tsv]`` (``make evaluate [DATA=...]
+[VERSION=...]``) reads the rows with the client's own TSV parser (by default the held-out rows
+of the data the served version was trained on, as its schema.json records it, checked against
+its fingerprint: serving/tools/evaldata.py), scores them through the running gateway in
 batches (``recsys.v1`` Score, ``--version`` selects a model version) with a progress bar, prints
 AUC, normalized entropy, log loss and calibration (predicted CTR / actual CTR), and writes
 ``evaluation.json`` and ``calibration.png`` to ``--out`` (default ``reports/<timestamp>/``).
 
-``--holdout 0.1`` scores only the last tenth of the file: the training run's held-out split
+``--holdout 0.1`` scores only the last tenth of a file given: the training run's held-out split
 when DATA is the file it trained on (``data.eval_fraction``, no malformed rows skipped), the
-rows the export's parity report is computed on. Metrics use numpy only (no torch).
+rows the export's parity report is computed on (the default rows are those already).
+Metrics use numpy only (no torch).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import sys
@@ -31,7 +33,10 @@ from recsys_stack.metrics import roc_auc  # the one AUC (training's too)
 from recsys_stack.progress import progress
 from serving.gateway.auth import AuthError
 from serving.gateway.config import GATEWAY_PORT, GATEWAY_PORT_ENV, ChannelConfig
-from serving.tools.client import RankerClient, Rows, build_request, parse_rows
+from serving.tools.client import RankerClient, Rows, build_request, parse_rows, rpc_error
+from serving.tools.evaldata import NoDefault, Window, default_window, file_window, window_lines
+from serving.tools.evaldata import row_window as row_window  # (where it was: tests use it)
+from serving.tools.state import WORKDIR, WORKDIR_ENV
 
 logger = logging.getLogger("serving.tools.evaluate")
 EPS = 1e-7  # probabilities are clipped to [EPS, 1 - EPS] in log loss
@@ -43,16 +48,21 @@ class EvaluateConfig(ChannelConfig):
     calibration (TLS and the token: ``--tls-ca``... or ``RECSYS_CLIENT_TLS_*``, as the client)."""
 
     data: Path | None = None
-    """Labelled Criteo TSV (label first, 40 tab-separated fields); required."""
+    """Labelled Criteo TSV (label first, 40 tab-separated fields); default: the held-out rows
+    of the data the served version was trained on (its schema.json's record)."""
     version: str = ""
     """Model version to evaluate; empty = the gateway's default version."""
     out: Path | None = None
     """Report folder for evaluation.json and calibration.png (default reports/<timestamp>/)."""
     holdout: float = 0.0
-    """Score only the last fraction of the file's rows (0.1 = a training run's held-out split
+    """Score only the last fraction of ``data``'s rows (0.1 = a training run's held-out split
     with the default data.eval_fraction); 0 = every row."""
     rows: int = 0
-    """Score at most this many rows (the first ones after ``holdout``); 0 = all."""
+    """Score at most this many rows (the first ones after ``holdout``, or of the held-out
+    rows); 0 = all."""
+    workdir: Path = env_field(WORKDIR_ENV, WORKDIR)
+    """The running stack's state folder (``make serve``'s): whose served model's data is the
+    default."""
     batch: int = 1000
     """Examples per request (at most the gateway's limits.max_examples, 1000 by default)."""
     bins: int = 20
@@ -121,47 +131,37 @@ def metrics(y: np.ndarray, p: np.ndarray, bins: int) -> dict[str, Any]:
 # --- rows and scoring ---------------------------------------------------------------------------
 
 
-def row_window(path: Path, holdout: float, rows: int) -> tuple[int, int]:
-    """``(first row, row count)`` to score: the last ``holdout`` fraction, at most ``rows``."""
-    with path.open("rb") as f:
-        total = sum(1 for line in f if line.strip())
-    first = total - round(total * holdout) if holdout else 0
-    count = total - first
-    if rows:
-        count = min(count, rows)
-    if count < 1:
-        raise ValueError(f"{path}: no rows to score ({total} rows, holdout {holdout})")
-    return first, count
+def batches(window: Window, size: int) -> Iterator[tuple[np.ndarray, Rows]]:
+    """``(labels, rows)`` of the rows of ``window``, ``size`` at a time."""
+    source = ", ".join(map(str, window.paths))
+    lines, n = window_lines(window), window.first
+    while chunk := [line for _, line in zip(range(size), lines, strict=False)]:
+        rows = parse_rows(chunk, source)
+        if rows.labels is None:
+            raise ValueError(
+                f"{source}: row {n + 1}: rows without a label: evaluation needs labelled rows "
+                "(40 fields, label first)"
+            )
+        n += len(chunk)
+        yield rows.labels, rows
 
 
-def batches(path: Path, first: int, count: int, size: int) -> Iterator[tuple[np.ndarray, Rows]]:
-    """``(labels, rows)`` of rows ``first .. first+count`` of ``path``, ``size`` at a time."""
-    with path.open() as f:
-        lines = (line for line in f if line.strip())
-        window = itertools.islice(lines, first, first + count)
-        n = first
-        while chunk := list(itertools.islice(window, size)):
-            rows = parse_rows(chunk, str(path))
-            if rows.labels is None:
-                raise ValueError(
-                    f"{path}:{n + 1}: rows without a label: evaluation needs labelled rows "
-                    "(40 fields, label first)"
-                )
-            n += len(chunk)
-            yield rows.labels, rows
+def rows_to_score(cfg: EvaluateConfig) -> Window:
+    """``cfg.data``'s rows, else the served version's held-out rows (:mod:`.evaldata`)."""
+    if cfg.data is not None:
+        return file_window(cfg.data, cfg.holdout, cfg.rows)
+    return default_window(cfg.workdir, cfg.version, cfg.rows, "--data")
 
 
-def score_file(cfg: EvaluateConfig, path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Labels int8[N] and the gateway's probabilities float32[N] for the configured rows."""
-    first, count = row_window(path, cfg.holdout, cfg.rows)
-    logger.info("scoring rows %d..%d of %s through %s", first + 1, first + count, path,
-                f"{cfg.host}:{cfg.port}")  # fmt: skip
+def score_file(cfg: EvaluateConfig, window: Window) -> tuple[np.ndarray, np.ndarray]:
+    """Labels int8[N] and the gateway's probabilities float32[N] for the rows of ``window``."""
+    logger.info("scoring %s through %s", window.describe(), f"{cfg.host}:{cfg.port}")
     client = RankerClient(f"{cfg.host}:{cfg.port}", cfg.timeout_s, channel=cfg)
     labels: list[np.ndarray] = []
     scores: list[np.ndarray] = []
-    bar = progress(total=count, desc="evaluate", unit="rows", disable=not cfg.progress)
+    bar = progress(total=window.count, desc="evaluate", unit="rows", disable=not cfg.progress)
     try:
-        for y, rows in batches(path, first, count, cfg.batch):
+        for y, rows in batches(window, cfg.batch):
             scores.append(client.score(build_request(rows.dense, rows.sparse, cfg.version)))
             labels.append(y)
             bar.update(len(rows.dense))
@@ -199,13 +199,13 @@ def plot_calibration(report: dict[str, Any], path: Path) -> None:
 def evaluate(cfg: EvaluateConfig, out: Path) -> dict[str, Any]:
     """Score ``cfg.data`` through the gateway; write ``evaluation.json`` and
     ``calibration.png`` to ``out``; return the report."""
-    if cfg.data is None:
-        raise ValueError("no labelled rows: pass --data FILE.tsv (make evaluate DATA=...)")
+    window = rows_to_score(cfg)
     t0 = time.monotonic()
-    y, p = score_file(cfg, cfg.data)
+    y, p = score_file(cfg, window)
     report = {
-        "data": str(cfg.data),
-        "version": cfg.version or "(default)",
+        "data": ", ".join(map(str, window.paths)),
+        "first_row": window.first + 1,
+        "version": cfg.version or "default",
         "gateway": f"{cfg.host}:{cfg.port}",
         **metrics(y, p, cfg.bins),
         "seconds": round(time.monotonic() - t0, 3),
@@ -219,8 +219,10 @@ def evaluate(cfg: EvaluateConfig, out: Path) -> dict[str, Any]:
 
 def summary(report: dict[str, Any]) -> str:
     """The printed lines of a report."""
+    v = report["version"]
+    version = "the default version" if v == "default" else f"version {v}"
     return (
-        f"{report['rows']} rows of {report['data']} (version {report['version']})\n"
+        f"{report['rows']} rows of {report['data']} ({version})\n"
         f"AUC {report['auc']:.6f}  NE {report['normalized_entropy']:.6f}  "
         f"log loss {report['log_loss']:.6f}\n"
         f"calibration {report['calibration']:.4f} (predicted CTR {report['predicted_ctr']:.6f} "
@@ -241,11 +243,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = cfg.out or Path("reports") / time.strftime("%Y%m%d-%H%M%S")
     try:
         report = evaluate(cfg, out)
-    except (OSError, ValueError, AuthError) as e:
+    except (OSError, ValueError, AuthError, NoDefault) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        print(f"error: {rpc_error(e, f'{cfg.host}:{cfg.port}')}", file=sys.stderr)
         return 1
     print(summary(report))
     print(f"report: {out / 'evaluation.json'}  {out / 'calibration.png'}")

@@ -7,10 +7,13 @@
    key; the handler warms the model up while loading), wait until READY everywhere;
 2. **add** it to the serving plan with no traffic; the gateway probes it on every replica;
 3. **evaluate** the candidate and the current default through the gateway on the same labelled
-   rows (``--eval-data``, by default the held-out tenth of the synthetic set the demo trains
-   on): AUC, NE, log loss, calibration. If the candidate's AUC is lower by more than
-   ``--margin``, it is **refused**: removed from the plan and unregistered; the default keeps
-   all traffic, and the command exits 1;
+   rows (``--eval-data``; by default the held-out rows of the data the default version was
+   trained on, as its schema.json records it: serving/tools/evaldata.py): AUC, NE, log loss,
+   calibration. If the candidate's AUC is lower by more than ``--margin``, it is **refused**:
+   removed from the plan and unregistered; the default keeps all traffic, and the command
+   exits 1. The default is scored first, before step 1: when it scores near chance itself
+   (canary.py ``misfit``: AUC < 0.55 or NE > 1), the evaluation data does not fit the model and
+   the rollout is refused before anything changes;
 4. **shift** the requests that name no version in ``--steps`` (default 5% -> 50% -> 100%),
    ``--dwell-s`` at each, checking that the candidate stays ready and that its error ratio
    (the gateway's ``version_requests_total{model_version,code}``) exceeds the default's by at
@@ -35,7 +38,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,15 +48,15 @@ import grpc
 from recsys_stack.config import ConfigError, env_field, parse
 from serving.gateway import plan as plan_io
 from serving.gateway.auth import AuthError
-from serving.gateway.config import ChannelConfig, GatewayConfig
+from serving.gateway.config import ChannelConfig
 from serving.gateway.plan import Plan, PlanError
-from serving.stubs import kserve_pb2, kserve_pb2_grpc
 from serving.tools import canary
 from serving.tools import evaluate as ev
-from serving.tools.channel import channel_fields, for_gateway, metadata, open_channel
-from serving.tools.supervisor import WORKDIR, gateway_config, local_target, read_state, replicas
+from serving.tools.channel import channel_fields
+from serving.tools.evaldata import Window, file_window, model_window, refusal
+from serving.tools.served import Gateway, RolloutError, Stack
+from serving.tools.state import WORKDIR, WORKDIR_ENV
 from serving.torchserve import manage
-from serving.torchserve.config import TorchServeConfig
 
 logger = logging.getLogger("serving.tools.rollout")
 
@@ -69,16 +72,16 @@ class RolloutConfig(ChannelConfig):
     VERSION=...`). Required unless ``rollback``."""
     rollback: bool = False
     """Return to the plan's ``previous`` version (no evaluation, ``rollback_steps``)."""
-    workdir: Path = env_field("RECSYS_SERVE_DIR", WORKDIR)
+    workdir: Path = env_field(WORKDIR_ENV, WORKDIR)
     """The running stack's state folder (``make serve``'s)."""
     eval_data: Path | None = None
-    """Labelled Criteo TSV to compare the candidate with the default on (required unless
-    ``evaluate`` is off)."""
+    """Labelled Criteo TSV to compare the candidate with the default on; default: the held-out
+    rows of the data the default version was trained on (its schema.json's record)."""
     holdout: float = 0.1
     """Evaluate the last fraction of ``eval_data``'s rows (0.1 = a training run's held-out
-    split of the file it trained on); 0 = every row."""
+    split of the file it trained on); 0 = every row. Not used for the default rows."""
     eval_rows: int = 0
-    """Evaluate at most this many rows (0 = all of the window)."""
+    """Evaluate at most this many rows (0 = all of the held-out rows or ``holdout``'s)."""
     evaluate: bool = True
     """Compare the candidate with the default before it takes traffic (off: promote it
     without looking; ``rollback`` never evaluates)."""
@@ -114,99 +117,6 @@ class RolloutConfig(ChannelConfig):
                 raise ValueError(f"{name} = {steps}: must increase")
 
 
-class RolloutError(RuntimeError):
-    """The rollout stopped; the message says where and what the plan is now."""
-
-
-@dataclass
-class Stack:
-    """The running stack as ``make serve`` recorded it."""
-
-    replicas: list[TorchServeConfig]
-    gateway: GatewayConfig
-    plan_file: Path
-    channel: ChannelConfig
-
-    @classmethod
-    def find(cls, cfg: RolloutConfig) -> Stack:
-        state = read_state(cfg.workdir)
-        gw = gateway_config(cfg.workdir)
-        reps = replicas(cfg.workdir)
-        if gw is None or not reps or not state.get("plan"):
-            raise RolloutError(
-                f"nothing is serving from {cfg.workdir} (start it with `make serve`)"
-            )
-        return cls(reps, gw, Path(state["plan"]), for_gateway(cfg, gw))
-
-    @property
-    def target(self) -> str:
-        return local_target(self.gateway)
-
-
-class Gateway:
-    """What the rollout asks the gateway (KServe v2 calls, and its metrics when exposed)."""
-
-    def __init__(self, stack: Stack) -> None:
-        self.stack = stack
-        self.channel = open_channel(stack.target, stack.channel)
-        self.stub = kserve_pb2_grpc.GRPCInferenceServiceStub(self.channel)
-        self.metadata = metadata(stack.channel)
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def ready(self, model: str, version: str) -> bool | None:
-        """True/False: the gateway routes ``version`` (ready or not); None: not in its plan."""
-        try:
-            reply = self.stub.ModelReady(
-                kserve_pb2.ModelReadyRequest(name=model, version=version),
-                metadata=self.metadata, timeout=5,
-            )  # fmt: skip
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
-                return None
-            raise
-        return bool(reply.ready)
-
-    def metrics(self) -> str | None:
-        """The gateway's ``/metrics`` text (None: its metrics are off or do not answer)."""
-        m = self.stack.gateway.metrics
-        if not m.port:
-            return None
-        host = "127.0.0.1" if (m.host or self.stack.gateway.host) in ("", "0.0.0.0") else m.host
-        return canary.scrape(f"http://{host or '127.0.0.1'}:{m.port}/metrics")
-
-    def generation(self) -> int | None:
-        """The generation of this stack's plan file the gateway applied (None: its metrics are
-        off, or the metrics port answers for another gateway, whose plan file differs)."""
-        text = self.metrics()
-        return None if text is None else canary.plan_generation(text, self.stack.plan_file)
-
-    def outcomes(self) -> canary.Outcomes | None:
-        """Requests and errors per version so far (None: metrics off)."""
-        text = self.metrics()
-        return None if text is None else canary.outcomes(text)
-
-    def wait(self, what: str, done: Callable[[], bool], timeout: float) -> None:
-        t0 = time.monotonic()
-        while not done():
-            if time.monotonic() - t0 > timeout:
-                raise RolloutError(f"the gateway did not {what} within {timeout:.0f} s")
-            time.sleep(0.2)
-
-    def applied(self, plan: Plan, timeout: float) -> None:
-        """Until the gateway runs ``plan`` (its generation in the metrics, or two health
-        intervals when metrics are off)."""
-        if self.generation() is None:
-            time.sleep(2.5 * self.stack.gateway.health_interval_s)
-            return
-        self.wait(
-            f"apply plan {plan.generation}",
-            lambda: (self.generation() or -1) >= plan.generation,
-            timeout,
-        )
-
-
 def say(text: str) -> None:
     print(text, flush=True)
 
@@ -217,15 +127,28 @@ def write(plan: Plan, stack: Stack, gateway: Gateway, timeout: float) -> Plan:
     return plan
 
 
-def evaluate_version(cfg: RolloutConfig, stack: Stack, version: str) -> dict[str, Any]:
-    """AUC, NE, log loss, calibration of ``version`` through the gateway on the eval rows."""
-    assert cfg.eval_data is not None
+def eval_window(cfg: RolloutConfig, stack: Stack) -> Window:
+    """``--eval-data``'s rows, else the held-out rows of the default version's data."""
+    if cfg.eval_data is not None:
+        return file_window(cfg.eval_data, cfg.holdout, cfg.eval_rows)
+    plan = plan_io.load(stack.plan_file)
+    mar = stack.replicas[0].model_store / f"{plan.model}-{plan.default}.mar"
+    try:
+        schema = plan_io.read_mar_schema(mar)
+        return model_window(schema, f"{plan.model} v{plan.default}", cfg.eval_rows)
+    except (PlanError, ValueError) as e:
+        raise refusal(e, "--eval-data") from None
+
+
+def evaluate_version(
+    cfg: RolloutConfig, stack: Stack, version: str, window: Window | None = None
+) -> dict[str, Any]:
+    """AUC, NE, log loss, calibration of ``version`` through the gateway on ``window``
+    (default: :func:`eval_window`)."""
     host, port = stack.target.rsplit(":", 1)
-    ecfg = ev.EvaluateConfig(
-        data=cfg.eval_data, version=version, holdout=cfg.holdout, rows=cfg.eval_rows,
-        host=host, port=int(port), progress=cfg.progress, **channel_fields(stack.channel),
-    )  # fmt: skip
-    y, p = ev.score_file(ecfg, cfg.eval_data)
+    ecfg = ev.EvaluateConfig(version=version, host=host, port=int(port), progress=cfg.progress,
+                             **channel_fields(stack.channel))  # fmt: skip
+    y, p = ev.score_file(ecfg, window or eval_window(cfg, stack))
     return ev.metrics(y, p, ecfg.bins)
 
 
@@ -290,14 +213,20 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
         raise RolloutError(f"{store / mar} holds {name} v{version}, not {plan.model} v{target}")
     plan.with_changes(versions={**plan.versions, target: entry})  # same features? before any change
     evaluated = cfg.evaluate and not cfg.rollback
-    if evaluated and cfg.eval_data is None:
-        raise RolloutError("no evaluation data: pass --eval-data FILE.tsv (or --no-evaluate)")
     report: dict[str, Any] = {"model": plan.model, "from": old, "to": target,
                               "rollback": cfg.rollback, "promoted": False}  # fmt: skip
     gw = Gateway(stack)
     t_start = time.monotonic()
     try:
         say(f"{'rollback' if cfg.rollback else 'rollout'} {plan.model}: v{old} -> v{target}")
+        if evaluated:  # the default first: figures on rows it does not fit would mean nothing
+            window = eval_window(cfg, stack)
+            say(f"evaluation rows: {window.describe()}")
+            base = evaluate_version(cfg, stack, old, window)
+            report["evaluation"] = {"default": base, "rows": window.describe()}
+            if why := canary.misfit(base):
+                say(f"refused: v{old} (the default) {why}; nothing changed")
+                return report
         say(f"[1/6] register {mar} on {len(stack.replicas)} replica(s)")
         plan = register_everywhere(plan, target, mar, stack, gw, cfg.timeout_s)
         say(f"[2/6] add v{target} to the plan (no traffic yet)")
@@ -306,12 +235,11 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
         )
         gw.wait(f"find v{target} ready", lambda: bool(gw.ready(plan.model, target)), cfg.timeout_s)
         if evaluated:
-            say(f"[3/6] evaluate v{old} and v{target} through the gateway on {cfg.eval_data}")
-            base = evaluate_version(cfg, stack, old)
-            cand = evaluate_version(cfg, stack, target)
+            say(f"[3/6] evaluate v{target} through the gateway against v{old}'s figures")
+            cand = evaluate_version(cfg, stack, target, window)
             ok, table = canary.compare(base, cand, cfg.margin)
             say(table)
-            report["evaluation"] = {"default": base, "candidate": cand, "margin": cfg.margin}
+            report["evaluation"] |= {"candidate": cand, "margin": cfg.margin}
             if not ok:
                 say(f"refused: v{target} is withdrawn; v{old} keeps all traffic")
                 plan = withdraw(plan, target, cfg, stack, gw)
@@ -322,10 +250,12 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
         steps = cfg.rollback_steps if cfg.rollback else cfg.steps
         gate = canary.ErrorGate(old, target, cfg.max_error_excess, cfg.error_min_requests,
                                 gw.outcomes())  # fmt: skip
+        say(f"[4/6] shift the traffic: {' -> '.join(f'{p}%' for p in steps)}"
+            + (" (at once)" if steps == [100] else ""))  # fmt: skip
         for pct in steps:
             if pct == 100:
                 break
-            say(f"[4/6] v{target} takes {pct}% of the traffic for {cfg.dwell_s:g} s")
+            say(f"  v{target} takes {pct}% of the traffic for {cfg.dwell_s:g} s")
             plan = write(
                 plan.with_changes(traffic={old: 100 - pct, target: pct}), stack, gw, cfg.timeout_s
             )

@@ -32,7 +32,6 @@ from recsys_stack.config import (
     ArgumentParser,
     ConfigError,
     add_config_args,
-    build,
     env_field,
     from_args,
     to_dict,
@@ -44,11 +43,10 @@ from serving.gateway.plan import PLAN_FILE
 from serving.gateway.validate import Schema
 from serving.tools.channel import for_gateway
 from serving.tools.client import health
+from serving.tools.state import STATE, WORKDIR, WORKDIR_ENV, gateway_config, read_state, replicas
 from serving.torchserve import manage, process
 from serving.torchserve.config import TorchServeConfig, on_free_ports, resolve_model
 
-STATE = "serve.json"
-WORKDIR = Path("runs/serve")
 GATEWAY_LOG = "gateway.log"
 
 
@@ -56,7 +54,7 @@ GATEWAY_LOG = "gateway.log"
 class ServeConfig:
     """TorchServe plus the gateway, started and stopped together."""
 
-    workdir: Path = env_field("RECSYS_SERVE_DIR", WORKDIR)
+    workdir: Path = env_field(WORKDIR_ENV, WORKDIR)
     """State of the running stack: serve.json (pids, resolved configs) and the gateway's log;
     TorchServe's own state goes to torchserve.workdir, by default ``<workdir>/torchserve``."""
     timeout_s: float = 240.0
@@ -110,18 +108,39 @@ def local_target(cfg: GatewayConfig) -> str:
     return f"{host}:{cfg.port}"
 
 
+def first_error(log: Path, offset: int = 0) -> str:
+    """The first error line ``log`` holds past ``offset`` (``error: ...`` as the gateway prints
+    it at start, else its first ERROR record, else its last line); "" when there is none."""
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [ln for ln in lines if ln]
+    for pick in (lambda ln: ln.startswith("error: "), lambda ln: " ERROR " in ln):
+        if found := next((ln for ln in lines if pick(ln)), None):
+            return found.removeprefix("error: ")
+    return lines[-1] if lines else ""
+
+
 def wait_serving(
     target: str,
     proc: subprocess.Popen[bytes],
     timeout: float,
     channel: ChannelConfig | None = None,
+    log: tuple[Path, int] | None = None,
 ) -> float:
     """Block until the gateway at ``target`` is SERVING (``channel``: TLS and token, None =
-    plaintext); returns the seconds waited. A timeout names the last answer."""
+    plaintext); returns the seconds waited. A timeout names the last answer; an exit, the first
+    error line of ``log`` (the gateway's log and where this start's output begins in it)."""
     t0 = time.monotonic()
     while (answer := health(target, channel=channel))[0] != "SERVING":
         if proc.poll() is not None:
-            raise RuntimeError(f"the gateway exited with code {proc.returncode}")
+            why = first_error(*log) if log else ""
+            raise RuntimeError(
+                f"the gateway exited with code {proc.returncode}" + (f": {why}" if why else "")
+            )
         if time.monotonic() - t0 > timeout:
             last = f"{answer[0]}: {answer[1]}" if answer[1] else answer[0]
             raise RuntimeError(
@@ -140,14 +159,6 @@ def gateway_token_file(cfg: ServeConfig) -> Path:
 
 
 # --- state ---------------------------------------------------------------------------------------
-
-
-def read_state(workdir: Path) -> dict[str, Any]:
-    try:
-        state: dict[str, Any] = json.loads((workdir / STATE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return state
 
 
 def _write_state(workdir: Path, **update: Any) -> None:
@@ -175,19 +186,6 @@ def recorded(workdir: Path) -> dict[str, int]:
 def running(workdir: Path) -> dict[str, int]:
     """The recorded processes still alive, by name."""
     return {k: pid for k, pid in recorded(workdir).items() if _alive(pid)}
-
-
-def replicas(workdir: Path) -> list[TorchServeConfig]:
-    """The TorchServe configs of the running stack's replicas (``make rollout`` manages them)."""
-    return [
-        build(TorchServeConfig, r["torchserve"]) for r in read_state(workdir).get("replicas", [])
-    ]
-
-
-def gateway_config(workdir: Path) -> GatewayConfig | None:
-    """The running stack's gateway config (None when none was started)."""
-    state = read_state(workdir)
-    return build(GatewayConfig, state["gateway"]) if "gateway" in state else None
 
 
 # --- commands --------------------------------------------------------------------------------------
@@ -261,9 +259,12 @@ def start(cfg: ServeConfig) -> str:
             backend_max_bytes=ts.max_request_bytes,
             auth=dataclasses.replace(cfg.gateway.auth, token_file=str(token_file)),
         )
-        gateway = launch_gateway(gw, cfg.workdir / GATEWAY_LOG)
+        log = cfg.workdir / GATEWAY_LOG
+        offset = log.stat().st_size if log.exists() else 0  # the log is appended to
+        gateway = launch_gateway(gw, log)
         _write_state(cfg.workdir, gateway_pid=gateway.pid, gateway=to_dict(gw))
-        wait_serving(local_target(gw), gateway, cfg.timeout_s, for_gateway(cfg.client, gw))
+        channel = for_gateway(cfg.client, gw)
+        wait_serving(local_target(gw), gateway, cfg.timeout_s, channel, (log, offset))
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         stop(cfg.workdir)
         raise RuntimeError(f"{e}\n(logs: {cfg.workdir}, {ts.workdir})") from None
@@ -295,7 +296,8 @@ def stop(workdir: Path, timeout: float = 30.0) -> list[str]:
 
 def status(workdir: Path, client: ChannelConfig | None = None) -> tuple[int, str]:
     """``(exit code, report)``: 0 serving, 2 degraded, 3 not running (``client``: how to reach
-    the gateway, completed from its recorded config)."""
+    the gateway, completed from its recorded config). ``make status`` turns 3 into 0: nothing
+    running is an answer there, not a failure."""
     alive = running(workdir)
     if not alive:
         return 3, f"not running ({workdir})"

@@ -52,6 +52,15 @@ def test_invalid_plans_are_named() -> None:
     other = {"1": Version("m-1.mar", DENSE, SPARSE), "2": Version("m-2.mar", DENSE, ("C1",))}
     with pytest.raises(PlanError, match="share the request contract"):
         _plan(versions=other)
+    # the difference is named: a feature one side lacks, or where the orders part
+    with pytest.raises(PlanError, match=r"sparse feature C2, C3: in the default's, not in 2's"):
+        _plan(versions=other)
+    swapped = {"1": other["1"], "2": Version("m-2.mar", DENSE, ("C1", "C3", "C2"))}
+    with pytest.raises(PlanError, match=r"another order: C2 vs C3 at position 2"):
+        _plan(versions=swapped)
+    watcher = PlanWatcher(Path("plan.json"), Schema("m", "1", DENSE, ("C1", "C2")))
+    with pytest.raises(PlanError, match=r"sparse feature C3: in the plan's, not in the gateway"):
+        watcher.check(_plan())
 
 
 def test_save_load_round_trip_and_bad_files(tmp_path: Path) -> None:

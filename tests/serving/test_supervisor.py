@@ -4,6 +4,7 @@ folder, ports from the environment)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -66,9 +67,36 @@ def test_make_serve_status_score_stop(exported: tuple[Path, Path, str], tmp_path
     assert stopped.returncode == 0 and "stopped gateway, torchserve" in stopped.stdout, out
     # "make stop leaves nothing running": no process names the state folder, no key is left
     assert not ours(tmp_path / "serve")
-    after = run("status")  # the supervisor's exit 3, "not running", through make
-    assert "not running" in after.stdout and "Error 3" in after.stderr, after
+    after = run("status")  # the supervisor's exit 3, "not running": an answer for make
+    assert "not running" in after.stdout and after.returncode == 0, after
     assert not keys.exists()
+
+
+def test_a_gateway_that_exits_at_start_names_its_reason(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    """A schema missing one feature: ``make serve`` prints the gateway's first error line
+    (from gateway.log), naming the feature, and leaves nothing running."""
+    export, store, _ = exported
+    run_dir = tmp_path / "run"
+    (run_dir / "export").mkdir(parents=True)
+    schema = json.loads((export / "schema.json").read_text())
+    schema["features"]["sparse"] = schema["features"]["sparse"][:-1]  # C26 dropped
+    (run_dir / "export" / "schema.json").write_text(json.dumps(schema))
+    make = shutil.which("make")
+    assert make, "make not found: `apt-get install make`"
+    ports = free_ports(6)
+    env = _env({f"RECSYS_TS_{n}_PORT": str(p) for n, p in zip(PORT_VARS, ports, strict=False)})
+    env |= {"RECSYS_GATEWAY_PORT": str(ports[5]), "RECSYS_SERVE_DIR": str(tmp_path / "serve")}
+    venv = Path(sys.executable).parent.parent
+    cmd = [make, "--no-print-directory", "-o", f"{venv}/.installed", "serve", f"VENV={venv}",
+           f"RUN={run_dir}", f"SERVE_ARGS=--torchserve.model-store {store} --torchserve.workers 1"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stdout + proc.stderr
+    assert errors[0].startswith("error: the gateway exited with code 2: "), errors
+    assert "sparse feature C26: in the plan's, not in the gateway schema's" in errors[0], errors
+    assert not ours(tmp_path / "serve")  # what was started is stopped
 
 
 def _tsv_rows(s: np.lib.npyio.NpzFile, n: int) -> str:

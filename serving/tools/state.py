@@ -1,0 +1,39 @@
+"""What ``make serve`` recorded about the running stack (``<workdir>/serve.json``): read by the
+supervisor (``make stop``/``status``), ``make rollout`` and the tools that default to the served
+model's data (serving/tools/evaldata.py). No process is started or asked anything here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from recsys_stack.config import build
+from serving.gateway.config import GatewayConfig
+from serving.torchserve.config import TorchServeConfig
+
+STATE = "serve.json"
+WORKDIR = Path("runs/serve")
+WORKDIR_ENV = "RECSYS_SERVE_DIR"
+
+
+def read_state(workdir: Path) -> dict[str, Any]:
+    """``serve.json``'s contents (empty when nothing was started from ``workdir``)."""
+    try:
+        state: dict[str, Any] = json.loads((workdir / STATE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return state
+
+
+def replicas(workdir: Path) -> list[TorchServeConfig]:
+    """The TorchServe configs of the running stack's replicas (``make rollout`` manages them)."""
+    return [
+        build(TorchServeConfig, r["torchserve"]) for r in read_state(workdir).get("replicas", [])
+    ]
+
+
+def gateway_config(workdir: Path) -> GatewayConfig | None:
+    """The running stack's gateway config (None when none was started)."""
+    state = read_state(workdir)
+    return build(GatewayConfig, state["gateway"]) if "gateway" in state else None
