@@ -89,6 +89,11 @@ def broken_archive(good: Path, out: Path, version: str) -> None:
         manifest["model"]["modelVersion"] = version
         schema = json.loads(src.read("schema.json"))
         schema["model"]["version"] = version
+        served = manifest["model"]["serializedFile"]  # now a TorchScript file: say so
+        for name, info in schema["variants"].items():
+            if info["file"] == served:
+                schema["variants"][name] = {"file": served, "kind": "torchscript",
+                                            "requires": ["torch"]}  # fmt: skip
         scorer = io.BytesIO()
         torch.jit.save(torch.jit.script(OneRowTable()), scorer)
         replaced = {

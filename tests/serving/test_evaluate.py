@@ -29,8 +29,11 @@ PARITY_ROWS = 2000  # the tiny run's held-out split: 10% of 20,000 synthetic row
 def synthetic_tsv(trained: Path, data_dirs: list[str]) -> Path:
     """The TSV the tiny model was trained on (its last 10% = the export's parity rows)."""
     (folder,) = [re.search(r'"(.*)"', o)[1] for o in data_dirs if "synthetic_dir" in o]  # type: ignore[index]
-    (tsv,) = Path(folder).glob("*.tsv")
-    return tsv
+    data = json.loads((trained / "config.json").read_text())["data"]  # other tests add sets here
+    name = (
+        f"synthetic_r{data['synthetic_rows']}_v{data['synthetic_vocab']}_s{data['synthetic_seed']}"
+    )
+    return Path(folder) / f"{name}.tsv"
 
 
 @pytest.fixture(scope="module")
