@@ -11,9 +11,11 @@ tables keep the Kaggle proportions, dim 16), in one run:
    (``/proc/<pid>/smaps_rollup``: shared pages count once), and a closed loop of
    ``--concurrency`` callers sending ``--examples``-example requests whose ids follow a Zipf
    (``--zipf``, default 1.15) law scattered over each table: examples/s, p99, failures;
-3. serve it again **confined** (``--confine``): TorchServe and its workers started in a cgroup
-   v1 memory group whose limit is the unconfined replica's own memory (its PSS without the
-   mapped tables) plus half the table bytes, page cache included, and the same load.
+3. serve it again **confined** (``--confine``): once READY, its workers moved into a cgroup
+   v1 memory group of half the int8 table bytes plus 64 MB a worker, the tables file dropped
+   from the page cache first, so every table row they read from then on is charged to that
+   group (what they held before stays charged where it was: this kernel moves no charge), and
+   the same load; major page faults per 1,000 lookups tell the cold reads.
 
 Writes ``--out``/scale.json and scale.png (cost vs table size) and prints a table. Needs root
 for the cgroup (skipped with a note otherwise). Serving never imports training: the model is
@@ -27,7 +29,6 @@ import itertools
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -181,51 +182,57 @@ def pss(pids: Sequence[int], name: str = "") -> int:
     return total
 
 
+def _major_faults(pids: Sequence[int]) -> int:
+    """Major page faults of ``pids`` so far (reads from disk: the cold rows)."""
+    return sum(int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[9]) for p in pids)
+
+
+def _tables_file(pid: int) -> Path:
+    """The int8 tables file ``pid`` maps (TorchServe's unpacked copy of the .mar's)."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if line.endswith("/tables_int8.bin"):
+            return Path(line.split(maxsplit=5)[5])
+    raise RuntimeError(f"worker {pid} maps no tables_int8.bin")
+
+
 @contextlib.contextmanager
-def cgroup(limit: int | None) -> Iterator[Path | None]:
-    """A cgroup v1 memory group of ``limit`` bytes (None: none); emptied and removed after."""
-    if limit is None:
-        yield None
-        return
+def confined(workers: Sequence[int], limit: int) -> Iterator[Path]:
+    """``workers`` in a cgroup v1 memory group of ``limit`` bytes, the tables file dropped from
+    the page cache first (the rows they fault in from then on are charged to the group)."""
     group = CGROUP / f"recsys-scale-{os.getpid()}"
     group.mkdir(exist_ok=True)
     (group / "memory.limit_in_bytes").write_text(str(limit))
+    path = _tables_file(workers[0])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # pages no worker maps now
+    finally:
+        os.close(fd)
+    for pid in workers:
+        (group / "cgroup.procs").write_text(str(pid))
     try:
         yield group
     finally:
-        for pid in (group / "cgroup.procs").read_text().split():
+        parent = CGROUP / "cgroup.procs"
+        for member in (group / "cgroup.procs").read_text().split():
             with contextlib.suppress(OSError):
-                os.kill(int(pid), signal.SIGKILL)
-        time.sleep(0.5)
+                parent.write_text(member)
         group.rmdir()
 
 
-def _start_in(group: Path | None, cfg: TorchServeConfig) -> subprocess.Popen[bytes]:
-    """TorchServe started from inside ``group``: this process joins it for the fork only."""
-    if group is None:
-        return process.start(cfg)
-    lines = Path("/proc/self/cgroup").read_text().splitlines()
-    mine = next(ln.split(":")[2] for ln in lines if ln.split(":")[1] == "memory")
-    (group / "cgroup.procs").write_text(str(os.getpid()))
-    try:
-        return process.start(cfg)
-    finally:
-        (CGROUP / mine.lstrip("/") / "cgroup.procs").write_text(str(os.getpid()))
-
-
 def serve(
-    built: dict[str, Any], rows: list[int], cfg: ScaleConfig, work: Path, limit: int | None
+    built: dict[str, Any], rows: list[int], cfg: ScaleConfig, work: Path, confine: bool
 ) -> dict[str, Any]:
-    """The replica (in a cgroup of ``limit`` bytes if given) behind the gateway: start-up
-    seconds, memory, and the Zipf load's figures."""
+    """The replica behind the gateway: start-up seconds, memory, and the Zipf load's figures;
+    ``confine``: its workers in a cgroup of their own memory plus half the int8 tables."""
     ts = on_free_ports(TorchServeConfig(
         model_store=Path(built["store"]), workdir=work, model_name="scale", model_version="1",
         mar_file="scale-1.mar", workers=cfg.workers, response_timeout_s=120,
     ))  # fmt: skip
-    out: dict[str, Any] = {"limit_bytes": limit}
-    with cgroup(limit) as group, contextlib.ExitStack() as stack:
+    out: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
         t0 = time.perf_counter()
-        proc = _start_in(group, ts)
+        proc = process.start(ts)
         stack.callback(process.stop, proc)
         wait_all_workers(ts, proc, 900)
         out["ready_s"] = time.perf_counter() - t0
@@ -235,15 +242,23 @@ def serve(
         while gateway_status(target) != "SERVING":
             time.sleep(0.2)
         out["serving_s"] = time.perf_counter() - t0
+        workers = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "model_service_worker" in " ".join(p.cmdline())]  # fmt: skip
+        group = None
+        if confine:  # what they allocate from now on (their memory so far stays charged
+            # where it was: cgroup v1 moves no charge on this kernel), and half the tables
+            out["limit_bytes"] = 64 * 2**20 * len(workers) + built["int8_table_bytes"] // 2
+            group = stack.enter_context(confined(workers, out["limit_bytes"]))
+        faults = _major_faults(workers)
         load = zipf_load(target, zipf_requests(rows, cfg))
         shape = SimpleNamespace(examples=cfg.examples)
         lat, wall, errors = run_cell(load, shape, cfg.concurrency, cfg.requests)  # type: ignore[arg-type]
         group_pids = [p.pid for p in process.group_members(proc.pid)]
-        workers = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "model_service_worker" in " ".join(p.cmdline())]  # fmt: skip
+        lookups = len(lat) * cfg.examples * len(rows)
         out.update(
             worker_pss=[pss([w]) for w in workers], total_pss=pss(group_pids),
-            tables_pss=pss(group_pids, "tables_int8.bin"),
+            tables_pss=pss(workers, "tables_int8.bin"),
+            major_faults_per_1k_lookups=1e3 * (_major_faults(workers) - faults) / max(lookups, 1),
             examples_per_s=len(lat) * cfg.examples / wall,
             p99_ms=float(np.percentile(lat, 99)) if lat else None,
             failed=len(errors), first_error=errors[0] if errors else "",
@@ -258,11 +273,9 @@ def one_size(total: int, cfg: ScaleConfig) -> dict[str, Any]:
     work = cfg.work / f"rows-{sum(rows)}"
     work.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"rows": sum(rows), **build(rows, work)}
-    result["serve"] = serve(result, rows, cfg, work / "ts", None)
+    result["serve"] = serve(result, rows, cfg, work / "ts", False)
     if cfg.confine and os.access(CGROUP, os.W_OK):
-        own = result["serve"]["total_pss"] - result["serve"]["tables_pss"]
-        limit = own + result["int8_table_bytes"] // 2
-        result["confined"] = serve(result, rows, cfg, work / "ts-confined", limit)
+        result["confined"] = serve(result, rows, cfg, work / "ts-confined", True)
     elif cfg.confine:
         result["confined"] = {"skipped": f"{CGROUP} is not writable (needs root)"}
     return result
