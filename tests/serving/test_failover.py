@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -87,21 +89,31 @@ class Load:
         raise AssertionError(f"{what}: not seen within {timeout} s: {self.window(t0)}")
 
 
+def two_replicas(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> tuple[dict[str, Any], dict[str, subprocess.Popen[bytes]], Any, str, Any, np.ndarray]:
+    """Replicas a and b of the tiny model behind one gateway: (configs, processes, gateway,
+    its target, the request of the sample's first ROWS rows, their scores)."""
+    export, store, _ = exported
+    cfgs = {k: torchserve_config(store, tmp_path / k) for k in ("a", "b")}
+    procs = {k: start_torchserve(c) for k, c in cfgs.items()}
+    gateway, target = start_gateway(
+        export / "schema.json", list(cfgs.values()), tmp_path / "gateway.log",
+        deadline_s=DEADLINE_S,
+    )  # fmt: skip
+    s = np.load(export / "sample.npz")
+    request = build_request(s["dense"][:ROWS], to_rows(s["values"], s["lengths"])[:ROWS])
+    return cfgs, procs, gateway, target, request, s["probs_int8"][:ROWS]
+
+
 def test_stopping_a_replica_fails_nothing_after_one_deadline(
     exported: tuple[Path, Path, str], tmp_path: Path
 ) -> None:
-    export, store, _ = exported
-    a, b = torchserve_config(store, tmp_path / "a"), torchserve_config(store, tmp_path / "b")
-    ta, tb = a.grpc_inference_target, b.grpc_inference_target
-    procs = {"a": start_torchserve(a), "b": start_torchserve(b)}
-    gateway, target = start_gateway(
-        export / "schema.json", [a, b], tmp_path / "gateway.log", deadline_s=DEADLINE_S
-    )
-    s = np.load(export / "sample.npz")
-    sparse = to_rows(s["values"], s["lengths"])[:ROWS]
-    request = build_request(s["dense"][:ROWS], sparse)
+    cfgs, procs, gateway, target, request, expected = two_replicas(exported, tmp_path)
+    a = cfgs["a"]
+    ta, tb = a.grpc_inference_target, cfgs["b"].grpc_inference_target
     with grpc.insecure_channel(target) as channel:
-        load = Load(ranker_pb2_grpc.RankerStub(channel), request, s["probs_int8"][:ROWS])
+        load = Load(ranker_pb2_grpc.RankerStub(channel), request, expected)
         try:
             wait_status(target, "SERVING", 60)
             for t in load.threads:
@@ -149,17 +161,11 @@ def test_a_paused_replica_costs_its_callers_a_hedge_not_a_deadline(
     """SIGSTOP one replica (java and its workers) under load: the calls it holds are hedged to
     the other after the recent tail, so none fails and none waits for the deadline; after
     SIGCONT it serves again (issue 20, hedged calls)."""
-    export, store, _ = exported
-    a, b = torchserve_config(store, tmp_path / "a"), torchserve_config(store, tmp_path / "b")
-    ta, tb = a.grpc_inference_target, b.grpc_inference_target
-    procs = {"a": start_torchserve(a), "b": start_torchserve(b)}
-    gateway, target = start_gateway(
-        export / "schema.json", [a, b], tmp_path / "gateway.log", deadline_s=DEADLINE_S
-    )
-    s = np.load(export / "sample.npz")
-    request = build_request(s["dense"][:ROWS], to_rows(s["values"], s["lengths"])[:ROWS])
+    cfgs, procs, gateway, target, request, expected = two_replicas(exported, tmp_path)
+    a = cfgs["a"]
+    ta, tb = a.grpc_inference_target, cfgs["b"].grpc_inference_target
     with grpc.insecure_channel(target) as channel:
-        load = Load(ranker_pb2_grpc.RankerStub(channel), request, s["probs_int8"][:ROWS])
+        load = Load(ranker_pb2_grpc.RankerStub(channel), request, expected)
         try:
             wait_status(target, "SERVING", 60)
             for t in load.threads:

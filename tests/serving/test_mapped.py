@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving.worker.mapped import load_mapped, save_dense, write_tables
+from serving.worker.mapped import drop_cached, load_mapped, save_dense, write_tables
 from serving.worker.portable_model import PortableScorer
 from tests.conftest import ROOT, _env
 
@@ -152,16 +152,6 @@ def memory_cgroup() -> Path | None:
     return base if os.access(base, os.W_OK) else None
 
 
-def drop_cache(path: Path) -> None:
-    """Evict ``path``'s pages from the page cache (written and synced: they are clean)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 ZIPF = textwrap.dedent("""
     import json, resource, sys, time, numpy as np, torch
     from pathlib import Path
@@ -191,7 +181,7 @@ def test_a_process_confined_to_half_the_tables_still_scores(tmp_path: Path) -> N
     path = save(m, tmp_path, "fp32", chunk=1 << 20)
     table_bytes = (tmp_path / "tables_fp32.bin").stat().st_size
     del m
-    drop_cache(tmp_path / "tables_fp32.bin")  # else its pages stay charged to this process
+    drop_cached(tmp_path / "tables_fp32.bin")  # else its pages stay charged to this process
     group = cgroups / f"recsys-test-{uuid.uuid4().hex[:8]}"
     group.mkdir()
     pid_file = tmp_path / "pid"
