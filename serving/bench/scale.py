@@ -75,7 +75,10 @@ class ScaleConfig:
     zipf: float = 1.15
     """Exponent of the ids' Zipf law."""
     confine: bool = True
-    """Also serve under the half-memory cgroup (needs root)."""
+    """Also serve with the workers' table reads confined by a cgroup (needs root)."""
+    fractions: list[float] = field(default_factory=lambda: [0.5])
+    """Fractions of the int8 table bytes the confined runs allow (the first is the table's
+    'confined' column; more map hot-set size to page faults and throughput)."""
     work: Path = Path("/tmp/bench-scale")
     """Scratch folder (checkpoints, exports, model stores: several GB at the Kaggle size)."""
     out: Path = Path("reports/bench-scale")
@@ -221,10 +224,10 @@ def confined(workers: Sequence[int], limit: int) -> Iterator[Path]:
 
 
 def serve(
-    built: dict[str, Any], rows: list[int], cfg: ScaleConfig, work: Path, confine: bool
+    built: dict[str, Any], rows: list[int], cfg: ScaleConfig, work: Path, fraction: float = 0.0
 ) -> dict[str, Any]:
     """The replica behind the gateway: start-up seconds, memory, and the Zipf load's figures;
-    ``confine``: its workers in a cgroup of their own memory plus half the int8 tables."""
+    ``fraction`` > 0: its workers' table reads confined to that fraction of the int8 tables."""
     ts = on_free_ports(TorchServeConfig(
         model_store=Path(built["store"]), workdir=work, model_name="scale", model_version="1",
         mar_file="scale-1.mar", workers=cfg.workers, response_timeout_s=120,
@@ -245,9 +248,12 @@ def serve(
         workers = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
                    if "model_service_worker" in " ".join(p.cmdline())]  # fmt: skip
         group = None
-        if confine:  # what they allocate from now on (their memory so far stays charged
-            # where it was: cgroup v1 moves no charge on this kernel), and half the tables
-            out["limit_bytes"] = 64 * 2**20 * len(workers) + built["int8_table_bytes"] // 2
+        if fraction:  # what they allocate from now on (their memory so far stays charged
+            # where it was: cgroup v1 moves no charge on this kernel), and the tables' share
+            out["fraction"] = fraction
+            out["limit_bytes"] = 64 * 2**20 * len(workers) + int(
+                built["int8_table_bytes"] * fraction
+            )
             group = stack.enter_context(confined(workers, out["limit_bytes"]))
         faults = _major_faults(workers)
         load = zipf_load(target, zipf_requests(rows, cfg))
@@ -273,9 +279,10 @@ def one_size(total: int, cfg: ScaleConfig) -> dict[str, Any]:
     work = cfg.work / f"rows-{sum(rows)}"
     work.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"rows": sum(rows), **build(rows, work)}
-    result["serve"] = serve(result, rows, cfg, work / "ts", False)
+    result["serve"] = serve(result, rows, cfg, work / "ts")
     if cfg.confine and os.access(CGROUP, os.W_OK):
-        result["confined"] = serve(result, rows, cfg, work / "ts-confined", True)
+        result["sweep"] = [serve(result, rows, cfg, work / f"ts-{f}", f) for f in cfg.fractions]
+        result["confined"] = result["sweep"][0]
     elif cfg.confine:
         result["confined"] = {"skipped": f"{CGROUP} is not writable (needs root)"}
     return result
