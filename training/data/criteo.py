@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -22,34 +22,21 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from recsys_stack.progress import progress as progress_bar
+from training.data.fields import NUM_FIELDS, convert_block, diagnose
 from training.errors import DataError
-from training.features import DENSE_NAMES, MISSING_ID, NUM_DENSE, NUM_SPARSE, SPARSE_NAMES
+from training.features import NUM_DENSE, NUM_SPARSE
 
 if TYPE_CHECKING:
     from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
-NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
-MAX_HEX_DIGITS = 16  # ids must fit in int64
-MAX_DEC_DIGITS = 18  # every 18-digit integer fits in int64
 MAX_EXAMPLES = 20
 _WARN_FIRST = 5
 _BLOCK = 8192  # rows converted at once
-_INT64_MAX = np.uint64(2**63 - 1)
 _DAY_FILE = re.compile(r"day_\d+(\.tsv)?")
 
 OnBad = Literal["skip", "fail"]
-
-# Byte lookup tables: the digit's value, or a code for '-' / anything invalid (NUL included).
-_MINUS, _INVALID = 253, 255
-_HEX_LUT = np.full(256, _INVALID, np.uint8)
-_DEC_LUT = np.full(256, _INVALID, np.uint8)
-for _i, _c in enumerate(b"0123456789"):
-    _HEX_LUT[_c] = _DEC_LUT[_c] = _i
-for _i, _c in enumerate(b"abcdef"):
-    _HEX_LUT[_c] = _HEX_LUT[_c - 32] = 10 + _i
-_DEC_LUT[ord("-")] = _MINUS
 
 
 @dataclass
@@ -69,6 +56,12 @@ class ParseReport:
         self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
         if len(self.examples) < MAX_EXAMPLES:
             self.examples.append(message)
+
+    def count_bad(self, reason: str, n: int) -> None:
+        """Count ``n`` more malformed rows past the first :data:`MAX_EXAMPLES` (no messages)."""
+        assert len(self.examples) == MAX_EXAMPLES or n == 0, "the first rows need messages"
+        self.rows_bad += n
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + n
 
     def summary(self) -> str:
         """One line, e.g. ``9 rows ok, 1 malformed (sparse: 1); first: ...``."""
@@ -137,94 +130,92 @@ def resolve_data_paths(path: Path | str) -> list[Path]:
     return sorted(found, key=_natural_key)
 
 
-def _show(value: bytes) -> str:
-    text = value.decode("utf-8", "replace")
-    return repr(text if len(text) <= 40 else text[:37] + "...")
+BadRow = tuple[int, str, str]
+"""A malformed line: ``(line number, reason, 'column X: ...')``."""
 
 
-def _diagnose(parts: list[bytes]) -> tuple[str, str]:
-    """First problem of a 40-field row as ``(reason, 'column X: ...')``; mirrors the fast path."""
-    label = parts[0]
-    if label not in (b"0", b"1"):
-        return "label", f"column label: {_show(label)} is not 0 or 1"
-    for name, value in zip(DENSE_NAMES, parts[1 : 1 + NUM_DENSE], strict=True):
-        if not value:
-            continue
-        digits = value[1:] if value[:1] == b"-" else value
-        if not digits.isdigit():
-            return "dense", f"column {name}: {_show(value)} is not an integer"
-        if len(digits) > MAX_DEC_DIGITS:
-            return "dense", f"column {name}: {_show(value)} has more than {MAX_DEC_DIGITS} digits"
-    for name, value in zip(SPARSE_NAMES, parts[1 + NUM_DENSE :], strict=True):
-        if not value:
-            continue
-        if not all(c in b"0123456789abcdefABCDEF" for c in value):
-            return "sparse", f"column {name}: {_show(value)} is not hex"
-        if len(value) > MAX_HEX_DIGITS or int(value, 16) > 2**63 - 1:
-            return "sparse", f"column {name}: {_show(value)} does not fit in int64"
-    return "other", "row rejected by the fast parser but no column is wrong (parser bug)"
+class LineScan:
+    """The lines of an open Criteo file, from where it stands to its end, in batches.
 
-
-def _field_bytes(
-    buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, lut: np.ndarray, max_len: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """For ``k < max_len``: (``bool[...]`` field has a k-th byte, its ``lut`` code ``uint8[...]``)."""
-    last = len(buf) - 1
-    for k in range(min(int(lens.max(initial=0)), max_len)):
-        present = lens > k
-        yield present, lut[buf[np.minimum(starts + k, last)]]
-
-
-def _parse_hex(
-    buf: np.ndarray, starts: np.ndarray, lens: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Hex fields at ``starts``/``lens`` -> ``int64[...]`` (empty -> MISSING_ID), bad mask."""
-    bad = lens > MAX_HEX_DIGITS
-    acc = np.zeros(starts.shape, np.uint64)
-    for present, code in _field_bytes(buf, starts, lens, _HEX_LUT, MAX_HEX_DIGITS):
-        bad |= present & (code >= 16)
-        acc = np.where(present, acc * np.uint64(16) + (code & 15), acc)
-    bad |= acc > _INT64_MAX
-    out = acc.astype(np.int64)
-    out[lens == 0] = MISSING_ID
-    return out, bad
-
-
-def _parse_dec(
-    buf: np.ndarray, starts: np.ndarray, lens: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Decimal integer fields -> ``int64[...]`` (empty -> 0) and a bad mask; '-' only leads."""
-    neg = (lens > 0) & (buf[np.minimum(starts, len(buf) - 1)] == ord("-"))
-    digits = lens - neg
-    bad = (digits > MAX_DEC_DIGITS) | (neg & (digits == 0))
-    acc = np.zeros(starts.shape, np.int64)
-    for k, (present, code) in enumerate(
-        _field_bytes(buf, starts, lens, _DEC_LUT, MAX_DEC_DIGITS + 1)
-    ):
-        digit = present & (code < 10)
-        bad |= present & ~(digit | neg if k == 0 else digit)
-        acc = np.where(digit, acc * 10 + (code & 15), acc)
-    return np.where(neg, -acc, acc), bad
-
-
-def _convert(lines: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``N`` lines of 40 fields -> (labels, dense, sparse, ``bool[N]`` bad-row mask).
-
-    The lines are joined with TABs into one buffer, so field ``j`` of row ``i`` is field
-    ``40 * i + j`` of the buffer; every field is then decoded by byte gathers, no per-field objects.
+    Iterating yields ``(rows, lines, bad)``: about ``chunk_rows`` lines with 40 fields, their
+    1-based line numbers (counted from where ``f`` stood) and the malformed lines seen since the
+    last batch (:data:`BadRow`); :func:`convert_rows` validates the rows. An empty line is
+    malformed once a non-empty line follows it. Once iterated: ``lines`` read, ``last``
+    (the last non-empty line, 0 if none) and ``trailing_empty`` (empty lines after ``last``: the
+    end of the file, or malformed if what ``f`` was cut from goes on with a non-empty line).
     """
-    n = len(lines)
-    buf = np.frombuffer(b"\t".join(lines), dtype=np.uint8)
-    tabs = np.flatnonzero(buf == ord("\t"))
-    starts = np.concatenate(([0], tabs + 1)).reshape(n, NUM_FIELDS)
-    ends = np.concatenate((tabs, [len(buf)])).reshape(n, NUM_FIELDS)
-    lens = ends - starts
-    first = buf[np.minimum(starts[:, 0], len(buf) - 1)]
-    bad = (lens[:, 0] != 1) | ((first != ord("0")) & (first != ord("1")))
-    dense, dense_bad = _parse_dec(buf, starts[:, 1 : 1 + NUM_DENSE], lens[:, 1 : 1 + NUM_DENSE])
-    sparse, sparse_bad = _parse_hex(buf, starts[:, 1 + NUM_DENSE :], lens[:, 1 + NUM_DENSE :])
-    bad |= dense_bad.any(axis=1) | sparse_bad.any(axis=1)
-    return (first == ord("1")).astype(np.int8), dense.astype(np.float32), sparse, bad
+
+    def __init__(self, f: Iterable[bytes], chunk_rows: int) -> None:
+        self.f = f
+        self.chunk_rows = max(1, chunk_rows)
+        self.lines = self.last = self.trailing_empty = 0
+
+    def __iter__(self) -> Iterator[tuple[list[bytes], list[int], list[BadRow]]]:
+        rows: list[bytes] = []  # lines with 40 fields, not yet validated
+        lines: list[int] = []  # their line numbers
+        bad: list[BadRow] = []
+        empty: list[int] = []  # empty lines, malformed unless only more empties follow
+        last = lineno = 0
+        for lineno, raw in enumerate(self.f, 1):
+            line = raw.rstrip(b"\r\n")
+            if not line:
+                empty.append(lineno)
+                continue
+            if empty:
+                bad += [(n, "field count", "empty line, expected 40 fields") for n in empty]
+                empty = []
+            last = lineno
+            tabs = line.count(b"\t")
+            if tabs != NUM_FIELDS - 1:
+                detail = f"expected {NUM_FIELDS} tab-separated fields, got {tabs + 1}"
+                bad.append((lineno, "field count", detail))
+                continue
+            rows.append(line)
+            lines.append(lineno)
+            if len(lines) + len(bad) >= self.chunk_rows:
+                yield rows, lines, bad
+                rows, lines, bad = [], [], []
+        self.lines, self.last, self.trailing_empty = lineno, last, len(empty)
+        if rows or bad:
+            yield rows, lines, bad
+
+
+def convert_rows(
+    rows: list[bytes], lines: list[int], bad: list[BadRow]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[BadRow]]:
+    """A :class:`LineScan` batch -> the well-formed rows' (labels, dense, sparse, line numbers)
+    and every malformed row of the batch, sorted by line (the fast path's rejects diagnosed)."""
+    if not rows:
+        empty = np.zeros((0, NUM_DENSE), np.float32), np.zeros((0, NUM_SPARSE), np.int64)
+        return np.zeros(0, np.int8), *empty, np.zeros(0, np.int64), sorted(bad)
+    # Blocks of a few thousand rows keep the byte gathers in cache (~1.5x faster).
+    parts = [convert_block(rows[i : i + _BLOCK]) for i in range(0, len(rows), _BLOCK)]
+    lab, den, spa, row_bad = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
+    bad = list(bad)
+    for i in np.flatnonzero(row_bad).tolist():
+        bad.append((lines[i], *diagnose(rows[i].split(b"\t"))))
+    keep = ~row_bad
+    line_numbers = np.asarray(lines, dtype=np.int64)[keep]
+    return lab[keep], den[keep], spa[keep], line_numbers, sorted(bad)
+
+
+def reject(report: ParseReport, message: str, reason: str, on_bad: OnBad, max_bad: int) -> None:
+    """Apply the malformed-row policy to one more malformed row (in file order)."""
+    if on_bad == "fail":
+        raise DataError(f"{message} (on_bad='fail'; use on_bad='skip' to drop malformed rows)")
+    report.add_bad(reason, message)
+    if report.rows_bad <= _WARN_FIRST:
+        log.warning("skipping malformed row: %s", message)
+    if report.rows_bad > max_bad:
+        raise too_many_bad(report, max_bad)
+
+
+def too_many_bad(report: ParseReport, max_bad: int) -> DataError:
+    """The error of the first malformed row past ``max_bad`` (``report`` holds the first one)."""
+    return DataError(
+        f"{max_bad + 1} malformed rows, more than max_bad_rows={max_bad}; first: "
+        f"{report.examples[0]}; fix the data or raise max_bad_rows"
+    )
 
 
 class CriteoReader:
@@ -251,7 +242,7 @@ class CriteoReader:
         if on_bad not in ("skip", "fail"):
             raise ValueError(f"on_bad must be 'skip' or 'fail', got {on_bad!r}")
         self.paths = [p for path in paths for p in resolve_data_paths(path)]
-        self.on_bad = on_bad
+        self.on_bad: OnBad = on_bad
         self.max_bad_rows = max_bad_rows
         self.chunk_rows = max(1, chunk_rows)
         self.progress = progress
@@ -277,73 +268,30 @@ class CriteoReader:
             log.info("parsed %s", self.report.summary())
 
     def _read_file(self, path: Path, bar: tqdm) -> Iterator[CriteoChunk]:
-        """Chunks of one file; a malformed row is recorded as ``(line, reason, message)``."""
+        """Chunks of one file, malformed rows passed through the policy in line order."""
         try:
             f = path.open("rb")
         except FileNotFoundError:
             raise DataError(f"data file not found: {path}") from None
         with f:
-            rows: list[bytes] = []  # lines with 40 fields, not yet validated
-            lines: list[int] = []  # their line numbers
-            bad: list[tuple[int, str, str]] = []
-            empty: list[int] = []  # empty lines, malformed unless only more empties follow
-            last = pos = 0
-            for lineno, raw in enumerate(f, 1):
-                line = raw.rstrip(b"\r\n")
-                if not line:
-                    empty.append(lineno)
-                    continue
-                if empty:
-                    bad += [(n, "field count", "empty line, expected 40 fields") for n in empty]
-                    empty = []
-                last = lineno
-                tabs = line.count(b"\t")
-                if tabs != NUM_FIELDS - 1:
-                    detail = f"expected {NUM_FIELDS} tab-separated fields, got {tabs + 1}"
-                    bad.append((lineno, "field count", detail))
-                    continue
-                rows.append(line)
-                lines.append(lineno)
-                if len(lines) + len(bad) >= self.chunk_rows:
-                    yield from self._emit(path, rows, lines, bad)
-                    rows, lines, bad = [], [], []
-                    bar.update(f.tell() - pos)
-                    pos = f.tell()
-            yield from self._emit(path, rows, lines, bad)
-            bar.update(f.tell() - pos)
-            self.file_rows[path] = last
-
-    def _emit(
-        self, path: Path, rows: list[bytes], lines: list[int], bad: list[tuple[int, str, str]]
-    ) -> Iterator[CriteoChunk]:
-        """Convert buffered rows, apply the malformed-row policy, yield the good rows."""
-        line_numbers = np.asarray(lines, dtype=np.int64)
-        if rows:
-            # Blocks of a few thousand rows keep the byte gathers in cache (~1.5x faster).
-            parts = [_convert(rows[i : i + _BLOCK]) for i in range(0, len(rows), _BLOCK)]
-            lab, den, spa, row_bad = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
-            for i in np.flatnonzero(row_bad).tolist():
-                bad.append((lines[i], *_diagnose(rows[i].split(b"\t"))))
-            keep = ~row_bad
-            lab, den, spa, line_numbers = lab[keep], den[keep], spa[keep], line_numbers[keep]
-        for lineno, reason, detail in sorted(bad):
-            self._reject(f"{path}:{lineno}: {detail}", reason)
-        if len(line_numbers):
-            self.report.rows_ok += len(line_numbers)
-            yield CriteoChunk(lab, den, spa, path, line_numbers)
-
-    def _reject(self, message: str, reason: str) -> None:
-        if self.on_bad == "fail":
-            raise DataError(f"{message} (on_bad='fail'; use on_bad='skip' to drop malformed rows)")
-        self.report.add_bad(reason, message)
-        if self.report.rows_bad <= _WARN_FIRST:
-            log.warning("skipping malformed row: %s", message)
-        if self.report.rows_bad > self.max_bad_rows:
-            raise DataError(
-                f"{self.report.rows_bad} malformed rows, more than max_bad_rows="
-                f"{self.max_bad_rows}; first: {self.report.examples[0]}; fix the data or "
-                "raise max_bad_rows"
-            )
+            scan = LineScan(f, self.chunk_rows)
+            pos = 0
+            for batch in scan:
+                lab, den, spa, line_numbers, bad = convert_rows(*batch)
+                for lineno, reason, detail in bad:
+                    reject(
+                        self.report,
+                        f"{path}:{lineno}: {detail}",
+                        reason,
+                        self.on_bad,
+                        self.max_bad_rows,
+                    )
+                bar.update(f.tell() - pos)
+                pos = f.tell()
+                if len(line_numbers):
+                    self.report.rows_ok += len(line_numbers)
+                    yield CriteoChunk(lab, den, spa, path, line_numbers)
+            self.file_rows[path] = scan.last
 
 
 def read_criteo(
