@@ -41,7 +41,11 @@ class DataConfig:
     max_bad_rows: int = 1000
     """Fail when more malformed rows than this are skipped."""
     cache_dir: str = "data/cache"
-    """Binary shards preprocessed from the TSV, keyed by the inputs' paths, sizes and mtimes."""
+    """Binary shards preprocessed from the TSV, keyed by the inputs' paths, sizes and mtimes,
+    the table sizes (ids are stored hashed into model.num_embeddings) and the id hash."""
+    preprocess_processes: int = 0
+    """Processes that parse the TSV into the cache (0 = one per CPU core); they split the work
+    by file and by line-aligned ranges of a large file, and write the same cache as one would."""
     synthetic_dir: str = "data/synthetic"
     """Where the synthetic TSV (and its true-probability sidecar) is generated."""
     synthetic_rows: int = 200_000
@@ -186,6 +190,11 @@ class Config:
         for name in ("max_steps", "eval_every", "eval_rows", "checkpoint_every"):
             if getattr(t, name) < 0:
                 raise ConfigError(f"train.{name} = {getattr(t, name)}: must be >= 0")
+        if self.data.preprocess_processes < 0:
+            raise ConfigError(
+                f"data.preprocess_processes = {self.data.preprocess_processes}: "
+                "must be >= 0 (0 = one per core)"
+            )
         if not 0.0 < self.data.eval_fraction < 1.0:
             raise ConfigError(f"data.eval_fraction = {self.data.eval_fraction}: must be in (0, 1)")
         valid_tables = {table_name(f) for f in SPARSE_NAMES}

@@ -27,7 +27,7 @@ def synthetic_path(cfg: DataConfig) -> Path:
     return Path(cfg.synthetic_dir) / name
 
 
-def _prepare_on_rank0(cfg: DataConfig, progress: bool) -> str:
+def _prepare_on_rank0(cfg: DataConfig, progress: bool, rows_per_table: list[int] | None) -> str:
     from training.data.binary import ensure_binary
     from training.data.criteo import resolve_data_paths
     from training.data.synthetic import SyntheticSpec, generate, prob_sidecar
@@ -51,20 +51,26 @@ def _prepare_on_rank0(cfg: DataConfig, progress: bool) -> str:
         on_bad=cfg.on_bad_row,
         max_bad_rows=cfg.max_bad_rows,
         progress=progress,
+        rows_per_table=rows_per_table,
+        processes=cfg.preprocess_processes,
     )
     return str(out_dir)
 
 
 def prepare_data(
-    cfg: DataConfig, rank: int, progress: bool
+    cfg: DataConfig, rank: int, progress: bool, rows_per_table: list[int] | None = None
 ) -> tuple[Arrays, Arrays, dict[str, Any]]:
-    """Collective. Returns (train split, eval split, data description for the checkpoint)."""
+    """Collective. Returns (train split, eval split, data description for the checkpoint).
+
+    ``rows_per_table`` (the model's ``model.rows()``): ids are hashed into these tables once, at
+    preprocessing, and the cache is keyed by them; None keeps raw ids (a cache of its own).
+    """
     from training.data.binary import load_binary
 
     outcome: list[Any] = [None]
     if rank == 0:
         try:
-            outcome[0] = ("ok", _prepare_on_rank0(cfg, progress))
+            outcome[0] = ("ok", _prepare_on_rank0(cfg, progress, rows_per_table))
         except RecsysError as e:
             outcome[0] = ("error", type(e).__name__, str(e))
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -72,7 +78,14 @@ def prepare_data(
     if outcome[0][0] == "error":
         raise DataError(outcome[0][2])
     data = load_binary(Path(outcome[0][1]))
-    arrays = Arrays(labels=data.labels, dense=data.dense, sparse=data.sparse, prob=data.prob)
+    tables = data.meta.rows_per_table
+    arrays = Arrays(
+        labels=data.labels,
+        dense=data.dense,
+        sparse=data.sparse,
+        prob=data.prob,
+        hashed_for=None if tables is None else tuple(tables),
+    )
     n = len(arrays)
     n_eval = round(n * cfg.eval_fraction)
     if n_eval < 1 or n - n_eval < 1:

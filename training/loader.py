@@ -28,8 +28,11 @@ class Arrays:
 
     labels: np.ndarray  # int8[N]
     dense: np.ndarray  # float32[N, D] raw values
-    sparse: np.ndarray  # int64[N, F] raw ids, -1 = missing
+    sparse: np.ndarray  # int[N, F] ids, -1 = missing: raw, or hashed into ``hashed_for``
     prob: np.ndarray | None  # float32[N] true click probability (synthetic data only)
+    hashed_for: tuple[int, ...] | None = None
+    """Table sizes the ids were hashed into at preprocessing (the binary cache's
+    ``rows_per_table``); None: raw ids, hashed by :func:`make_batch`."""
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -41,6 +44,7 @@ class Arrays:
             self.dense[sl],
             self.sparse[sl],
             None if self.prob is None else self.prob[sl],
+            self.hashed_for,
         )
 
 
@@ -54,18 +58,27 @@ class ModelBatch:
 
 
 def make_batch(arrays: Arrays, idx: np.ndarray, rows_per_table: np.ndarray) -> ModelBatch:
-    """Gather rows ``idx`` into a torchrec Batch: transformed dense, hashed ids in a KJT.
+    """Gather rows ``idx`` into a torchrec Batch: transformed dense, table rows in a KJT.
 
-    The transforms are the artifact's own (``training.features``). Missing ids (-1) become
-    zero-length bags, so each feature has 0 or 1 id per example.
+    The transforms are the artifact's own (``training.features``). Ids are hashed once: by
+    preprocessing when the cache was built for these tables (``arrays.hashed_for``), else here
+    (raw ids); ids hashed for other table sizes are an error, not hashed again. Missing ids
+    (-1) become zero-length bags, so each feature has 0 or 1 id per example.
     """
+    rows = torch.as_tensor(rows_per_table, dtype=torch.int64)
+    if arrays.hashed_for is not None and list(arrays.hashed_for) != rows.tolist():
+        raise ValueError(
+            f"the ids were hashed for tables of {list(arrays.hashed_for)} rows at preprocessing, "
+            f"the model's tables have {rows.tolist()}"
+        )
     labels = torch.from_numpy(arrays.labels[idx].astype(np.float32))
     dense = dense_transform(torch.from_numpy(np.ascontiguousarray(arrays.dense[idx])))
-    values, lengths = pack_ids(torch.from_numpy(np.ascontiguousarray(arrays.sparse[idx])))
+    sparse = np.ascontiguousarray(arrays.sparse[idx], dtype=np.int64)
+    values, lengths = pack_ids(torch.from_numpy(sparse))
+    if arrays.hashed_for is None:
+        values = hash_values(values, lengths, rows)
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=SPARSE_NAMES,
-        values=hash_values(values, lengths, torch.as_tensor(rows_per_table, dtype=torch.int64)),
-        lengths=lengths.reshape(-1),
+        keys=SPARSE_NAMES, values=values, lengths=lengths.reshape(-1)
     )
     prob = None if arrays.prob is None else torch.from_numpy(arrays.prob[idx].astype(np.float32))
     return ModelBatch(

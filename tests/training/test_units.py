@@ -52,6 +52,7 @@ def test_overrides_take_toml_values_and_nested_tables() -> None:
         ("model.dense_arch=[16,4]", "must match"),
         ("model.over_arch=[16,2]", "ending with 1"),
         ("data.eval_fraction=1.0", "must be in (0, 1)"),
+        ("data.preprocess_processes=-1", "data.preprocess_processes = -1: must be >= 0"),
         ("sharding.tables.t_C99.sharding_types=[]", "sharding.tables.t_C99: no such table"),
         ('optim.embedding="lamb"', "must be one of"),
         ("nonsense", "expected section.key=value"),

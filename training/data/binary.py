@@ -1,73 +1,51 @@
-"""Parse Criteo TSV once into ``.npy`` arrays that later epochs memory-map.
+"""The binary cache of Criteo TSV: find or build it, and open it as memory-mapped arrays.
 
-A preprocessed directory holds ``labels.npy`` (``int8[N]``), ``dense.npy`` (``float32[N, 13]``,
-raw ints), ``sparse.npy`` (``int64[N, 26]``, ``MISSING_ID`` for empty), optionally ``prob.npy``
-(``float32[N]``, true click probabilities of synthetic data) and ``meta.json``. It is built in a
-temporary sibling directory and renamed into place, so a killed run leaves no half dataset.
+A preprocessed directory holds ``labels.npy``, ``dense.npy``, ``sparse.npy`` (dtypes, id
+hashing and cache keys: :mod:`training.data.layout`), optionally ``prob.npy`` (``float32[N]``,
+true click probabilities of synthetic data) and ``meta.json``. :func:`preprocess` builds one
+(in parallel, resumable: :mod:`training.data.build`); :func:`ensure_binary` finds the cache of
+some inputs and table sizes or builds it; :func:`load_binary` opens one, checking every array
+against ``meta.json`` and the format version.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import contextlib
 import json
 import logging
-import os
 import shutil
 import sys
+import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
-from training.data.criteo import CriteoReader, OnBad, ParseReport, resolve_data_paths
-from training.data.synthetic import prob_sidecar
+from training.data.build import fingerprint, locked, preprocess
+from training.data.criteo import OnBad, ParseReport, resolve_data_paths
+from training.data.layout import (
+    FORMAT_VERSION,
+    TRAILING,
+    BinaryMeta,
+    array_dtypes,
+    cache_key,
+    legacy_key,
+)
 from training.errors import DataError, RecsysError
-from training.features import NUM_DENSE, NUM_SPARSE
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-# name -> (dtype, trailing shape)
-ARRAYS: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
-    "labels": (np.dtype(np.int8), ()),
-    "dense": (np.dtype(np.float32), (NUM_DENSE,)),
-    "sparse": (np.dtype(np.int64), (NUM_SPARSE,)),
-    "prob": (np.dtype(np.float32), ()),
-}
-
-
-@dataclass
-class BinaryMeta:
-    """Contents of ``meta.json``."""
-
-    rows: int
-    inputs: list[dict[str, Any]]  # per TSV: path, size, mtime_ns, prob (sidecar's or None)
-    parse_report: dict[str, Any]  # ParseReport.to_dict()
-    has_prob: bool
-    format_version: int = FORMAT_VERSION
-
-    @property
-    def report(self) -> ParseReport:
-        """The parse report of the preprocessing run."""
-        return ParseReport.from_dict(self.parse_report)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready copy."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BinaryMeta:
-        """Inverse of :meth:`to_dict`; raises ``KeyError`` / ``TypeError`` on a bad dict."""
-        return cls(
-            rows=int(data["rows"]),
-            inputs=list(data["inputs"]),
-            parse_report=dict(data["parse_report"]),
-            has_prob=bool(data["has_prob"]),
-            format_version=int(data["format_version"]),
-        )
+__all__ = [
+    "BinaryArrays",
+    "BinaryMeta",
+    "ensure_binary",
+    "fingerprint",
+    "load_binary",
+    "preprocess",
+]
 
 
 @dataclass
@@ -76,7 +54,7 @@ class BinaryArrays:
 
     labels: np.ndarray  # int8[N]
     dense: np.ndarray  # float32[N, 13]
-    sparse: np.ndarray  # int64[N, 26]
+    sparse: np.ndarray  # [N, 26] hashed ids (meta.rows_per_table) or raw int64 ids; -1 missing
     prob: np.ndarray | None  # float32[N] or None
     meta: BinaryMeta
 
@@ -84,138 +62,8 @@ class BinaryArrays:
         return len(self.labels)
 
 
-def _stat(path: Path) -> dict[str, Any]:
-    st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def fingerprint(files: Sequence[Path]) -> list[dict[str, Any]]:
-    """Identity of input files (and their prob sidecars): resolved path, size, mtime."""
-    out = []
-    for f in files:
-        sidecar = prob_sidecar(f)
-        prob = _stat(sidecar) if sidecar.is_file() else None
-        out.append({"path": str(f.resolve()), **_stat(f), "prob": prob})
-    return out
-
-
-def _write_npy(raw: Path, dest: Path, name: str, rows: int) -> None:
-    """Prefix the raw bytes of ``name`` with an ``.npy`` header (streamed, constant memory)."""
-    dtype, tail = ARRAYS[name]
-    header = {
-        "descr": np.lib.format.dtype_to_descr(dtype),
-        "fortran_order": False,
-        "shape": (rows, *tail),
-    }
-    with dest.open("wb") as out, raw.open("rb") as src:
-        np.lib.format.write_array_header_1_0(out, header)
-        shutil.copyfileobj(src, out, 1 << 22)
-    raw.unlink()
-
-
-def _load_sidecars(files: Sequence[Path]) -> list[np.ndarray] | None:
-    """Every file's prob sidecar, or None unless all exist and load."""
-    probs = []
-    for f in files:
-        sidecar = prob_sidecar(f)
-        if not sidecar.is_file():
-            return None
-        try:
-            probs.append(np.load(sidecar, mmap_mode="r"))
-        except (ValueError, OSError, EOFError) as e:
-            log.warning("ignoring unreadable prob sidecar %s: %s", sidecar, e)
-            return None
-    return probs
-
-
-def preprocess(
-    paths: Sequence[Path | str],
-    out_dir: Path,
-    *,
-    on_bad: OnBad = "skip",
-    max_bad_rows: int = 1000,
-    progress: bool = True,
-    chunk_rows: int = 65536,
-) -> BinaryMeta:
-    """Parse ``paths`` (files or directories) into ``out_dir``, replacing what was there.
-
-    ``prob.npy`` is written when every input has a ``<name>.prob.npy`` sidecar with one entry
-    per data line; entries of skipped malformed rows are dropped with their rows.
-    Raises :class:`DataError` per the ``on_bad`` policy, or when no row is well-formed.
-    """
-    files = [p for path in paths for p in resolve_data_paths(path)]
-    inputs = fingerprint(files)
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
-        log.info("removing stale temporary directory %s", stale)
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
-    try:
-        reader = CriteoReader(
-            files,
-            on_bad=on_bad,
-            max_bad_rows=max_bad_rows,
-            chunk_rows=chunk_rows,
-            progress=progress,
-        )
-        rows, has_prob = _write_raw(reader, files, tmp)
-        if rows == 0:
-            raise DataError(
-                f"no well-formed rows in {', '.join(map(str, files))}: {reader.report.summary()}"
-            )
-        for name in (
-            ("labels", "dense", "sparse", "prob") if has_prob else ("labels", "dense", "sparse")
-        ):
-            _write_npy(tmp / f"{name}.bin", tmp / f"{name}.npy", name, rows)
-        meta = BinaryMeta(
-            rows=rows, inputs=inputs, parse_report=reader.report.to_dict(), has_prob=has_prob
-        )
-        (tmp / "meta.json").write_text(json.dumps(meta.to_dict(), indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("preprocessed %d rows into %s (%s)", rows, out_dir, reader.report.summary())
-    return meta
-
-
-def _write_raw(reader: CriteoReader, files: Sequence[Path], tmp: Path) -> tuple[int, bool]:
-    """Stream every chunk to ``tmp/<name>.bin``; returns (rows, whether prob.bin is valid)."""
-    probs = _load_sidecars(files)
-    by_file = dict(zip(files, probs, strict=True)) if probs is not None else {}
-    has_prob = probs is not None
-    rows = 0
-    handles: dict[str, BinaryIO] = {name: (tmp / f"{name}.bin").open("wb") for name in ARRAYS}
-    try:
-        for chunk in reader:
-            handles["labels"].write(chunk.labels.tobytes())
-            handles["dense"].write(chunk.dense.tobytes())
-            handles["sparse"].write(chunk.sparse.tobytes())
-            rows += len(chunk)
-            if not has_prob:
-                continue
-            prob = by_file[chunk.path]
-            if chunk.line_numbers[-1] > len(prob):
-                has_prob = False
-                continue
-            handles["prob"].write(np.asarray(prob[chunk.line_numbers - 1], np.float32).tobytes())
-    finally:
-        for h in handles.values():
-            h.close()
-    for f in files if has_prob else ():
-        if reader.file_rows.get(f) != len(by_file[f]):
-            has_prob = False
-    if probs is not None and not has_prob:
-        log.warning("prob sidecars do not match the data line counts; not writing prob.npy")
-    return rows, has_prob
-
-
-def _load_array(path: Path, name: str, rows: int, mmap: bool) -> np.ndarray:
+def _load_array(path: Path, dtype: np.dtype, shape: tuple[int, ...], mmap: bool) -> np.ndarray:
     """One array, checked against its expected dtype and shape."""
-    dtype, tail = ARRAYS[name]
     hint = f"delete {path.parent} and preprocess again"
     try:
         arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
@@ -223,34 +71,48 @@ def _load_array(path: Path, name: str, rows: int, mmap: bool) -> np.ndarray:
         raise DataError(f"{path}: missing from the preprocessed dataset; {hint}") from None
     except (ValueError, OSError, EOFError) as e:
         raise DataError(f"{path}: corrupt or truncated ({e}); {hint}") from None
-    if arr.dtype != dtype or arr.shape != (rows, *tail):
+    if arr.dtype != dtype or arr.shape != shape:
         raise DataError(
-            f"{path}: expected {dtype}{[rows, *tail]}, found {arr.dtype}{list(arr.shape)}; {hint}"
+            f"{path}: expected {dtype}{list(shape)}, found {arr.dtype}{list(arr.shape)}; {hint}"
         )
     return arr
 
 
-def load_binary(out_dir: Path, mmap: bool = True) -> BinaryArrays:
-    """Open a preprocessed directory; raises :class:`DataError` naming any bad file."""
-    out_dir = Path(out_dir)
+def read_meta(out_dir: Path) -> BinaryMeta:
+    """``meta.json`` of a format-:data:`FORMAT_VERSION` cache; :class:`DataError` otherwise."""
     meta_path = out_dir / "meta.json"
     try:
-        meta = BinaryMeta.from_dict(json.loads(meta_path.read_text()))
+        raw = json.loads(meta_path.read_text())
+        version = int(raw["format_version"])
+        if version != FORMAT_VERSION:
+            raise DataError(
+                f"{meta_path}: cache format {version}, this code reads {FORMAT_VERSION}; "
+                f"delete {out_dir} and preprocess again"
+            )
+        meta = BinaryMeta.from_dict(raw)
     except FileNotFoundError:
         raise DataError(f"{meta_path}: missing; {out_dir} is not a preprocessed dataset") from None
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(
             f"{meta_path}: unreadable ({e}); delete {out_dir} and preprocess again"
         ) from None
-    if meta.format_version != FORMAT_VERSION:
+    expected = {k: str(v) for k, v in array_dtypes(meta.rows_per_table, meta.has_prob).items()}
+    if meta.dtypes != expected:
         raise DataError(
-            f"{meta_path}: format version {meta.format_version}, this code reads {FORMAT_VERSION}; "
-            f"delete {out_dir} and preprocess again"
+            f"{meta_path}: arrays {meta.dtypes}, format {FORMAT_VERSION} has {expected}"
         )
+    return meta
+
+
+def load_binary(out_dir: Path, mmap: bool = True) -> BinaryArrays:
+    """Open a preprocessed directory; raises :class:`DataError` naming any bad file."""
+    out_dir = Path(out_dir)
+    meta = read_meta(out_dir)
     arrays = {
-        name: _load_array(out_dir / f"{name}.npy", name, meta.rows, mmap)
-        for name in ARRAYS
-        if name != "prob" or meta.has_prob
+        name: _load_array(
+            out_dir / f"{name}.npy", np.dtype(dtype), (meta.rows, *TRAILING[name]), mmap
+        )
+        for name, dtype in meta.dtypes.items()
     }
     return BinaryArrays(
         arrays["labels"], arrays["dense"], arrays["sparse"], arrays.get("prob"), meta
@@ -270,6 +132,26 @@ def _check_policy(report: ParseReport, on_bad: OnBad, max_bad_rows: int) -> None
         )
 
 
+def _reusable(out_dir: Path, inputs: list[dict[str, Any]]) -> BinaryMeta | None:
+    """The cache at ``out_dir`` if it holds ``inputs`` in this format; else None (a cache
+    that is there but unusable is named in one log line)."""
+    meta_path = out_dir / "meta.json"
+    if not meta_path.is_file():
+        return None
+    with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+        version = int(json.loads(meta_path.read_text()).get("format_version"))
+        if version != FORMAT_VERSION:
+            log.info("rebuilding %s: cache format %d, this code writes %d", out_dir, version,
+                     FORMAT_VERSION)  # fmt: skip
+            return None
+    try:
+        meta = load_binary(out_dir).meta
+    except DataError as e:
+        log.warning("rebuilding the cache: %s", e)
+        return None
+    return meta if meta.inputs == inputs else None
+
+
 def ensure_binary(
     paths: Sequence[Path | str],
     cache_root: Path,
@@ -277,29 +159,32 @@ def ensure_binary(
     on_bad: OnBad = "skip",
     max_bad_rows: int = 1000,
     progress: bool = True,
+    rows_per_table: Sequence[int] | None = None,
+    processes: int = 0,
 ) -> tuple[Path, BinaryMeta]:
-    """Preprocessed copy of ``paths`` under ``cache_root``, reused while the inputs are unchanged.
-
-    The cache directory is ``cache_root/criteo-<hash of resolved paths, sizes and mtimes>``, so
-    editing an input makes a new one (old ones stay until deleted). A reused dataset is held to
-    ``on_bad`` / ``max_bad_rows`` through its stored parse report. Not safe for concurrent
-    callers: call it on one rank, then synchronize.
+    """Preprocessed copy of ``paths`` under ``cache_root``, reused while nothing it depends on
+    changed: ``cache_root/criteo-<hash>`` (:func:`training.data.layout.cache_key`: the inputs'
+    resolved paths, sizes and mtimes, ``rows_per_table`` and the id hash). A reused dataset is
+    held to ``on_bad`` / ``max_bad_rows`` through its stored parse report. Concurrent callers
+    wait for the first one to build it, then reuse it.
     """
     files = [p for path in paths for p in resolve_data_paths(path)]
     inputs = fingerprint(files)
-    key = hashlib.sha256(json.dumps([FORMAT_VERSION, inputs], sort_keys=True).encode()).hexdigest()
-    out_dir = Path(cache_root) / f"criteo-{key[:16]}"
-    if (out_dir / "meta.json").is_file():
-        try:
-            meta = load_binary(out_dir).meta
-        except DataError as e:
-            log.warning("rebuilding invalid cache: %s", e)
-        else:
-            if meta.inputs == inputs:
-                _check_policy(meta.report, on_bad, max_bad_rows)
-                log.info("reusing preprocessed data %s (%d rows)", out_dir, meta.rows)
-                return out_dir, meta
-    meta = preprocess(files, out_dir, on_bad=on_bad, max_bad_rows=max_bad_rows, progress=progress)
+    out_dir = Path(cache_root) / f"criteo-{cache_key(inputs, rows_per_table)[:16]}"
+    with locked(out_dir):
+        meta = _reusable(out_dir, inputs)
+        if meta is not None:
+            _check_policy(meta.report, on_bad, max_bad_rows)
+            log.info("reusing preprocessed data %s (%d rows)", out_dir, meta.rows)
+            return out_dir, meta
+        legacy = Path(cache_root) / f"criteo-{legacy_key(inputs)[:16]}"
+        if (legacy / "meta.json").is_file():
+            log.info("replacing the format-1 cache %s (raw int64 ids) with %s", legacy, out_dir)
+        meta = preprocess(
+            files, out_dir, on_bad=on_bad, max_bad_rows=max_bad_rows, progress=progress,
+            rows_per_table=rows_per_table, processes=processes,
+        )  # fmt: skip
+        shutil.rmtree(legacy, ignore_errors=True)
     return out_dir, meta
 
 
@@ -312,6 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("inputs", type=Path, nargs="+", help="TSV files or directories")
     p.add_argument("--out", type=Path, required=True, help="output directory (replaced)")
     p.add_argument(
+        "--tables", type=int, nargs="+", metavar="ROWS",
+        help="rows per table, one for all 26 or 26 values: ids stored hashed (default: raw)",
+    )  # fmt: skip
+    p.add_argument("--processes", type=int, default=0, help="worker processes (default: cores)")
+    p.add_argument(
         "--on-bad", choices=["skip", "fail"], default="skip", help="malformed rows (default skip)"
     )
     p.add_argument(
@@ -320,6 +210,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    tables = args.tables
+    if tables is not None and len(tables) == 1:
+        tables = tables * 26
+    if tables is not None and (len(tables) != 26 or min(tables) < 1):
+        p.error("--tables takes one positive number or 26")
+    t0 = time.perf_counter()
     try:
         meta = preprocess(
             args.inputs,
@@ -327,11 +223,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             on_bad=args.on_bad,
             max_bad_rows=args.max_bad_rows,
             progress=not args.no_progress,
+            rows_per_table=tables,
+            processes=args.processes,
         )
     except RecsysError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{args.out}: {meta.report.summary()}" + (" (with prob.npy)" if meta.has_prob else ""))
+    seconds = time.perf_counter() - t0
+    print(
+        f"{args.out}: {meta.report.summary()}" + (" (with prob.npy)" if meta.has_prob else "")
+        + f"; {meta.rows / seconds:,.0f} rows/s, {meta.bytes_per_row()} bytes/row"
+    )  # fmt: skip
     return 0
 
 
