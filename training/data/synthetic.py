@@ -1,15 +1,10 @@
 """Synthetic Criteo-format data with a planted, learnable click model and its true probabilities.
 
-Each row's click logit is ``bias + sum_f e_f[id_f] + sum_j b_j * z_j + <u[id_C1], v[id_C2]>``:
-per-id effects on ``informative_sparse`` categorical features (chosen by the seed), linear
-effects of the standardized ``log1p(max(I_j, 0))`` (what ``features.dense_transform`` feeds the
-model; a missing int counts as 0, like the reader), and a low-rank interaction between two
-categorical features. The bias is calibrated on a sample so the mean probability is near
-``target_ctr``. Ids follow a Zipf law over ``vocab_sizes[f]`` values; the ``k``-th most frequent
-id of feature ``f`` is a fixed pseudo-random 32-bit value written as 8 hex digits.
-
+The click model (per-id effects, dense effects, a low-rank interaction, Zipf-distributed ids
+written as 8 hex digits) and how rows are sampled from it: :mod:`training.data.planted`.
 Output: the TSV and ``<name>.prob.npy`` (``float32[rows]``, the true click probability of row
-``i`` = line ``i + 1``). Bytes depend only on ``(spec, chunk_rows)``.
+``i`` = line ``i + 1``). Bytes depend only on ``(spec, chunk_rows)``. ``--days N --drift D``
+writes N days whose click model and id popularity drift: :mod:`training.data.drift`.
 """
 
 from __future__ import annotations
@@ -20,207 +15,36 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from recsys_stack.metrics import roc_auc
 from recsys_stack.progress import progress as progress_bar
-from training.features import NUM_DENSE, NUM_SPARSE, dense_transform
+from training.data.drift import day_models, drift_report
+from training.data.planted import (
+    DEFAULT_VOCAB,
+    Block,
+    PlantedModel,
+    SyntheticSpec,
+    build_model,
+    raw_ids,
+    sample_block,
+)
+from training.features import NUM_DENSE, NUM_SPARSE
 
-log = logging.getLogger(__name__)
-
-# Mixed cardinalities like Criteo's (a few tiny, most 10^2..10^4), small enough for CPU tests.
-DEFAULT_VOCAB: list[int] = [
-    1000, 500, 2000, 200, 100, 20, 5000, 300, 10, 3000, 1500, 800, 4000,
-    50, 2500, 10000, 600, 30, 7000, 5, 6000, 40, 1200, 8000, 400, 3500,
+__all__ = [
+    "DEFAULT_VOCAB", "Block", "PlantedModel", "SyntheticSpec", "build_model", "format_block",
+    "generate", "main", "prob_sidecar", "raw_ids", "sample_block",
 ]  # fmt: skip
-_CALIBRATION_ROWS = 50_000
+log = logging.getLogger(__name__)
 _INT_STR_MIN = -3
 _INT_STR = np.array([str(i) for i in range(_INT_STR_MIN, 1 << 16)], dtype=object)
-
-
-@dataclass
-class SyntheticSpec:
-    """What to generate; every random choice derives from ``seed``."""
-
-    rows: int = 100_000
-    """Number of rows (lines) to write."""
-    seed: int = 0
-    """Seed of the planted model and of the sampled rows."""
-    vocab_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_VOCAB))
-    """Distinct ids per categorical feature (26 entries)."""
-    zipf: float = 1.15
-    """Id frequency exponent: the ``k``-th most frequent id has weight ``(k + 1) ** -zipf``."""
-    informative_sparse: int = 8
-    """How many categorical features carry a per-id effect."""
-    sparse_scale: float = 0.45
-    """Standard deviation of each informative id's logit effect."""
-    dense_scale: float = 0.2
-    """Standard deviation of each dense feature's coefficient (on the standardized log1p)."""
-    interaction_features: tuple[int, int] = (0, 1)
-    """Feature indices of the low-rank pairwise term (default C1 x C2)."""
-    interaction_rank: int = 4
-    """Length of the per-id vectors whose dot product forms the pairwise term."""
-    interaction_scale: float = 0.5
-    """Target standard deviation of the pairwise term."""
-    sparse_missing: float = 0.03
-    """Probability that a categorical field is empty."""
-    dense_missing: float = 0.05
-    """Probability that an integer field is empty."""
-    target_ctr: float = 0.25
-    """Mean click probability the bias is calibrated to."""
-
-    def __post_init__(self) -> None:
-        if len(self.vocab_sizes) != NUM_SPARSE or min(self.vocab_sizes) < 1:
-            raise ValueError(f"vocab_sizes needs {NUM_SPARSE} positive entries")
-        if not 0 <= self.informative_sparse <= NUM_SPARSE:
-            raise ValueError(f"informative_sparse must be in 0..{NUM_SPARSE}")
-        if not 0.0 < self.target_ctr < 1.0:
-            raise ValueError("target_ctr must be in (0, 1)")
 
 
 def prob_sidecar(tsv: Path) -> Path:
     """``x.tsv`` -> ``x.prob.npy``: where a synthetic file keeps its true probabilities."""
     return tsv.with_suffix(".prob.npy")
-
-
-def raw_ids(feature: int, ranks: np.ndarray) -> np.ndarray:
-    """Frequency ranks ``int64[...]`` of ``feature`` -> raw 32-bit ids (a bijection per feature)."""
-    mask = np.uint64(0xFFFFFFFF)
-    x = (ranks.astype(np.uint64) * np.uint64(0x9E3779B1)) & mask
-    x ^= np.uint64((feature * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF)
-    x ^= x >> np.uint64(16)
-    x = (x * np.uint64(0x7FEB352D)) & mask
-    x ^= x >> np.uint64(15)
-    return x.astype(np.int64)
-
-
-@dataclass
-class PlantedModel:
-    """The hidden click model of a spec (all arrays are fixed by ``spec.seed``)."""
-
-    cdfs: list[np.ndarray]  # per feature, float64[V_f] cumulative Zipf weights
-    hex_tables: list[np.ndarray]  # per feature, object[V_f + 1] hex strings, last one ''
-    informative: list[int]  # feature indices with per-id effects
-    effects: dict[int, np.ndarray]  # feature -> float64[V_f + 1] logit effect, last (missing) 0
-    u: np.ndarray  # float64[V_a + 1, R], interaction vectors of the first feature
-    v: np.ndarray  # float64[V_b + 1, R], of the second; missing rows are 0
-    dense_params: np.ndarray  # float64[13, 3]: zero rate, lognormal mu, lognormal sigma
-    dense_coef: np.ndarray  # float64[13]
-    dense_mean: np.ndarray = field(default_factory=lambda: np.zeros(NUM_DENSE))
-    dense_std: np.ndarray = field(default_factory=lambda: np.ones(NUM_DENSE))
-    bias: float = 0.0
-
-
-@dataclass
-class Block:
-    """``N`` sampled rows: ranks ``int64[N, 26]`` (-1 missing), ints, masks, probabilities."""
-
-    ranks: np.ndarray
-    dense: np.ndarray  # int64[N, 13]
-    dense_missing: np.ndarray  # bool[N, 13]
-    prob: np.ndarray  # float64[N]
-    labels: np.ndarray  # int8[N]
-
-
-def build_model(spec: SyntheticSpec) -> PlantedModel:
-    """Draw the planted model of ``spec`` and calibrate its bias to ``spec.target_ctr``."""
-    rng = np.random.default_rng([spec.seed, 0])
-    cdfs, tables = [], []
-    for f, vocab in enumerate(spec.vocab_sizes):
-        w = np.arange(1, vocab + 1, dtype=np.float64) ** -spec.zipf
-        cdfs.append(np.cumsum(w) / w.sum())
-        hexes = [f"{x:08x}" for x in raw_ids(f, np.arange(vocab)).tolist()]
-        tables.append(np.array([*hexes, ""], dtype=object))
-    informative = sorted(rng.choice(NUM_SPARSE, spec.informative_sparse, replace=False).tolist())
-    effects = {}
-    for f in informative:
-        e = rng.normal(0.0, spec.sparse_scale, spec.vocab_sizes[f] + 1)
-        e[-1] = 0.0
-        effects[f] = e
-    a, b = spec.interaction_features
-    rank = spec.interaction_rank
-    scale = (spec.interaction_scale**2 / rank) ** 0.25
-    u = rng.normal(0.0, scale, (spec.vocab_sizes[a] + 1, rank))
-    v = rng.normal(0.0, scale, (spec.vocab_sizes[b] + 1, rank))
-    u[-1] = v[-1] = 0.0
-    dense_params = np.stack(
-        [
-            rng.uniform(0.1, 0.4, NUM_DENSE),
-            rng.uniform(0.0, 3.0, NUM_DENSE),
-            rng.uniform(0.5, 1.5, NUM_DENSE),
-        ],
-        axis=1,
-    )
-    model = PlantedModel(
-        cdfs,
-        tables,
-        informative,
-        effects,
-        u,
-        v,
-        dense_params,
-        rng.normal(0.0, spec.dense_scale, NUM_DENSE),
-    )
-    sample = sample_block(model, spec, np.random.default_rng([spec.seed, 1]), _CALIBRATION_ROWS)
-    z = _model_input(sample.dense)
-    model.dense_mean, model.dense_std = z.mean(axis=0), z.std(axis=0) + 1e-6
-    logits = _logits(model, spec, sample.ranks, sample.dense)
-    model.bias = _calibrate_bias(logits, spec.target_ctr)
-    return model
-
-
-def _model_input(dense: np.ndarray) -> np.ndarray:
-    """Raw ints ``[N, D]`` -> what the model sees (``features.dense_transform``), ``float64``."""
-    return dense_transform(torch.from_numpy(np.asarray(dense, dtype=np.float64))).numpy()
-
-
-def _calibrate_bias(logits: np.ndarray, target: float) -> float:
-    """Bias ``b`` with ``mean(sigmoid(logits + b)) == target`` (bisection; monotone in ``b``)."""
-    lo, hi = -30.0, 30.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if np.mean(1.0 / (1.0 + np.exp(-(logits + mid)))) < target:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-def _logits(
-    model: PlantedModel, spec: SyntheticSpec, ranks: np.ndarray, dense: np.ndarray
-) -> np.ndarray:
-    """Logits without the bias, ``float64[N]``; rank -1 (missing) picks the zero last entry."""
-    out = np.zeros(len(ranks))
-    for f in model.informative:
-        out += model.effects[f][ranks[:, f]]
-    a, b = spec.interaction_features
-    out += np.einsum("nr,nr->n", model.u[ranks[:, a]], model.v[ranks[:, b]])
-    z = (_model_input(dense) - model.dense_mean) / model.dense_std
-    return out + z @ model.dense_coef
-
-
-def sample_block(
-    model: PlantedModel, spec: SyntheticSpec, rng: np.random.Generator, n: int
-) -> Block:
-    """Draw ``n`` rows: Zipf ranks, heavy-tailed ints, missing masks, probabilities, labels."""
-    ranks = np.empty((n, NUM_SPARSE), np.int64)
-    for f, cdf in enumerate(model.cdfs):
-        ranks[:, f] = np.minimum(np.searchsorted(cdf, rng.random(n), side="right"), len(cdf) - 1)
-    ranks[rng.random((n, NUM_SPARSE)) < spec.sparse_missing] = -1
-    zero_rate, mu, sigma = model.dense_params.T
-    dense = np.floor(np.exp(rng.normal(mu, sigma, (n, NUM_DENSE)))).astype(np.int64)
-    dense[rng.random((n, NUM_DENSE)) < zero_rate] = 0
-    negative = rng.random(n) < 0.08  # like I2 in the real logs: a few small negatives
-    dense[negative, 1] = -rng.integers(1, 4, int(negative.sum()))
-    dense_missing = rng.random((n, NUM_DENSE)) < spec.dense_missing
-    dense[dense_missing] = 0  # the reader turns an empty int into 0, so the model sees 0
-    prob = 1.0 / (1.0 + np.exp(-(_logits(model, spec, ranks, dense) + model.bias)))
-    labels = (rng.random(n) < prob).astype(np.int8)
-    return Block(ranks, dense, dense_missing, prob, labels)
 
 
 def format_block(model: PlantedModel, block: Block) -> str:
@@ -237,19 +61,26 @@ def format_block(model: PlantedModel, block: Block) -> str:
 
 
 def generate(
-    spec: SyntheticSpec, out_tsv: Path, chunk_rows: int = 100_000, progress: bool = True
+    spec: SyntheticSpec,
+    out_tsv: Path,
+    chunk_rows: int = 100_000,
+    progress: bool = True,
+    model: PlantedModel | None = None,
+    salt: Sequence[int] = (),
 ) -> Path:
     """Write ``spec.rows`` rows to ``out_tsv`` and their true probabilities to its sidecar.
 
-    Both files are written under temporary names and renamed into place at the end, so an
-    interrupted run never leaves a partial file under the final name. Returns ``out_tsv``.
+    ``model``: the planted model to sample (default: ``build_model(spec)``); ``salt``: extra
+    seed words for the rows (the drifting days draw other rows each day). Both files are
+    written under temporary names and renamed into place at the end, so an interrupted run
+    never leaves a partial file under the final name. Returns ``out_tsv``.
     """
     out_tsv = Path(out_tsv)
     out_tsv.parent.mkdir(parents=True, exist_ok=True)
     sidecar = prob_sidecar(out_tsv)
     tmp_tsv = out_tsv.with_name(f".{out_tsv.name}.tmp-{os.getpid()}")
     tmp_prob = sidecar.with_name(f".{sidecar.name}.tmp-{os.getpid()}")
-    model = build_model(spec)
+    model = build_model(spec) if model is None else model
     probs = np.empty(spec.rows, np.float32)
     labels = np.empty(spec.rows, np.int8)
     try:
@@ -265,7 +96,9 @@ def generate(
         ):
             for i, start in enumerate(range(0, spec.rows, chunk_rows)):
                 n = min(chunk_rows, spec.rows - start)
-                block = sample_block(model, spec, np.random.default_rng([spec.seed, 2, i]), n)
+                block = sample_block(
+                    model, spec, np.random.default_rng([spec.seed, 2, *salt, i]), n
+                )
                 f.write(format_block(model, block))
                 probs[start : start + n] = block.prob
                 labels[start : start + n] = block.labels
@@ -289,6 +122,49 @@ def generate(
     return out_tsv
 
 
+def day_file(out_dir: Path, day: int) -> Path:
+    """``OUT/day_<day>.tsv``."""
+    return Path(out_dir) / f"day_{day}.tsv"
+
+
+def generate_days(
+    spec: SyntheticSpec,
+    days: int,
+    drift: float,
+    out_dir: Path,
+    chunk_rows: int = 100_000,
+    progress: bool = True,
+) -> list[Path]:
+    """Write ``OUT/day_<d>.tsv`` (``spec.rows`` rows each, other rows every day) and their
+    ``.prob.npy``, the planted model moving by ``drift`` a day (:mod:`training.data.drift`);
+    each file appears complete, by rename (:func:`generate`)."""
+    out = []
+    for day, model in enumerate(day_models(spec, days, drift)):
+        path = day_file(out_dir, day)
+        generate(spec, path, chunk_rows, progress, model=model, salt=(3, day))
+        out.append(path)
+    return out
+
+
+def main_days(
+    spec: SyntheticSpec, days: int, drift: float, out_dir: Path, chunk_rows: int, quiet: bool
+) -> int:
+    """``--days``: write the files, then print what the drift costs a model frozen on day 0."""
+    if days < 1 or not 0.0 <= drift <= 1.0:
+        print(f"error: --days {days} --drift {drift}: days >= 1, drift in [0, 1]", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    paths = generate_days(spec, days, drift, out_dir, chunk_rows, progress=not quiet)
+    seconds = time.perf_counter() - start
+    print(f"{out_dir}: {days} days of {spec.rows} rows, drift {drift:g}, in {seconds:.1f}s")
+    for r in drift_report(spec, days, drift, min(spec.rows, 50_000)):
+        print(
+            f"  {paths[r.day].name} (+ {prob_sidecar(paths[r.day]).name}): oracle AUC "
+            f"{r.oracle_auc:.4f}, day 0's click model {r.day0_auc:.4f} (-{r.loss:.4f})"
+        )
+    return 0
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options of ``python -m training.data.synthetic``."""
     d = SyntheticSpec()
@@ -299,7 +175,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--rows", type=int, default=d.rows, help="rows to write (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed (default %(default)s)")
-    p.add_argument("--out", type=Path, required=True, help="output TSV, e.g. data/synthetic/x.tsv")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="output TSV, e.g. data/synthetic/x.tsv; with --days, a folder for day_<d>.tsv",
+    )
+    p.add_argument(
+        "--days",
+        type=int,
+        default=0,
+        help="write DAYS files OUT/day_0.tsv .. day_<DAYS-1>.tsv of --rows each, whose click "
+        "model and id popularity drift by --drift a day (training.data.drift); 0: one file",
+    )
+    p.add_argument(
+        "--drift",
+        type=float,
+        default=0.0,
+        help="with --days: the fraction of the click model's variance redrawn and of the id "
+        "popularity ranks reshuffled each day, in [0, 1] (0: the same model every day)",
+    )
     p.add_argument(
         "--vocab",
         type=int,
@@ -345,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()
+    if args.days:
+        return main_days(spec, args.days, args.drift, args.out, args.chunk_rows, args.no_progress)
     out = generate(spec, args.out, chunk_rows=args.chunk_rows, progress=not args.no_progress)
     seconds = time.perf_counter() - start
     print(
