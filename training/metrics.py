@@ -6,6 +6,7 @@ served model's evaluation report, computed on the predictions of every rank gath
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from torchrec.metrics.metrics_config import RecComputeMode, RecTaskInfo
 from torchrec.metrics.ne import NEMetric
 
 from recsys_stack.metrics import roc_auc
+from training.tb import Scalars
 
 TASK = RecTaskInfo(
     name="ctr", label_name="label", prediction_name="prediction", weight_name="weight"
@@ -75,6 +77,9 @@ class EvalMetrics:
         if self.with_oracle:
             out["oracle_auc"] = roc_auc(labels, table[3][real])
         out["eval_rows"] = int(real.sum())
+        ctr = float(labels.float().mean()) if len(labels) else 0.0
+        # calibration: mean predicted / observed CTR (1 = calibrated; NaN without a click)
+        out["calibration"] = float(table[0][real].mean()) / ctr if ctr > 0 else math.nan
         return out
 
 
@@ -88,11 +93,15 @@ def _lifetime(result: dict[str, torch.Tensor], name: str) -> float:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to ``<run>/metrics.jsonl`` (rank 0 only)."""
+    """Appends one JSON object per line to ``<run>/metrics.jsonl`` (rank 0 only), and its
+    numbers to TensorBoard as ``<tb_prefix>/<key>`` at the record's step when given ``tb``."""
 
-    def __init__(self, path: Path, enabled: bool) -> None:
+    def __init__(
+        self, path: Path, enabled: bool, tb: Scalars | None = None, tb_prefix: str = ""
+    ) -> None:
         self.path = path
         self.enabled = enabled
+        self.tb, self.tb_prefix = tb, tb_prefix
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -101,6 +110,8 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
             f.flush()
+        if self.tb is not None and "step" in record:
+            self.tb.add(self.tb_prefix, record, int(record["step"]))
 
     def truncate_after(self, step: int) -> None:
         """Drop records past ``step`` (work redone after a resume), like TensorBoard's purge_step."""

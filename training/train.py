@@ -34,6 +34,7 @@ from training.loader import Arrays, TrainStream
 from training.loop import TrainLoop
 from training.metrics import MetricsLog
 from training.sharding import format_plan
+from training.tb import for_run as scalars_for_run
 from training.trainer import Trainer, build_trainer, make_pipeline, unwrapped_model
 
 logger = logging.getLogger("training")
@@ -71,7 +72,8 @@ def preflight_checkpoint(args: RunArgs) -> tuple[Path | None, dict[str, Any] | N
 def prepare(args: RunArgs) -> None:
     """``--prepare-only``: everything that can fail on bad input, in one process, no group."""
     preflight_checkpoint(args)
-    prepare_data(args.config.data, rank=0, progress=args.progress)
+    cfg = args.config
+    prepare_data(cfg.data, rank=0, progress=args.progress, rows_per_table=cfg.model.rows())
 
 
 def train_stream(
@@ -100,10 +102,11 @@ def train_stream(
 
 
 def open_logs(run_dir: Path, cfg: Config, step: int, rank: int) -> tuple[MetricsLog, MetricsLog]:
-    """``metrics.jsonl`` and ``train_loss.jsonl`` cut back to ``step`` (a resumed run redoes
-    what came after its checkpoint), and this run's ``config.json``."""
-    metrics_log = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0)
-    loss_log = MetricsLog(run_dir / "train_loss.jsonl", enabled=rank == 0)
+    """``metrics.jsonl`` and ``train_loss.jsonl`` (and their TensorBoard scalars) cut back to
+    ``step`` (a resumed run redoes what came after its checkpoint), and ``config.json``."""
+    tb = scalars_for_run(run_dir, rank, step)  # TensorBoard: RUN/tb/ (training.tb)
+    metrics_log = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0, tb=tb, tb_prefix="eval")
+    loss_log = MetricsLog(run_dir / "train_loss.jsonl", enabled=rank == 0, tb=tb, tb_prefix="train")
     metrics_log.truncate_after(step)
     loss_log.truncate_after(step)
     if rank == 0:
@@ -179,7 +182,9 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
             f"train.batch_size = {cfg.train.batch_size} is not divisible by {world} processes"
         )
     resume_from, meta = preflight_checkpoint(args)
-    train_arrays, eval_arrays, data_info = prepare_data(cfg.data, rank, progress=args.progress)
+    train_arrays, eval_arrays, data_info = prepare_data(
+        cfg.data, rank, progress=args.progress, rows_per_table=cfg.model.rows()
+    )
     trainer = build_trainer(cfg, device)
     if rank == 0:
         logger.info(

@@ -34,6 +34,15 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run / "train_loss.jsonl")}
 
 
+def _scalar_steps(run: Path) -> dict[str, list[int]]:
+    """TensorBoard's scalars of a run (``RUN/tb``) read back: the steps of each tag."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
 def _plan(ckpt: Path) -> dict[str, dict]:
     return {r["table"]: r for r in json.loads((ckpt / "plan.json").read_text())}
 
@@ -69,6 +78,13 @@ def test_two_rank_run_learns_and_records(run_a: Path) -> None:
     assert evals[-1]["ne"] < 1.0
     losses = _losses(run_a)
     assert losses[60] < losses[10]
+
+
+def test_tensorboard_scalars_are_the_logs(run_a: Path) -> None:
+    steps = _scalar_steps(run_a)
+    for tag in ("eval/auc", "eval/ne", "eval/samples_per_sec", "eval/train_loss"):
+        assert steps[tag] == [30, 60], (tag, steps)
+    assert steps["train/loss"] == sorted(_losses(run_a)) == [10, 20, 30, 40, 50, 60]
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +167,7 @@ def test_kill_during_save_keeps_latest_then_resumes(tmp_path: Path, data_dirs: l
     assert not (ckpts / "step_00000060.partial").exists()
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
     assert steps == [30, 60]  # the killed run's eval at 60 was dropped when 31..60 were redone
+    assert _scalar_steps(run)["eval/auc"] == [30, 60]  # and purged from TensorBoard
 
 
 def test_trains_on_criteo_file_with_edge_cases(tmp_path: Path, data_dirs: list[str]) -> None:
