@@ -64,6 +64,17 @@ train: setup  ## train PRESET (tiny|demo|criteo-kaggle) with NPROC processes int
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) \
 		-m training.train $(TRAIN_ARGS)
 
+# The continuous loop: RUN's latest checkpoint, then every file of DATA_DIR not consumed yet
+# (name order; a file appears by rename: *.tmp and dot-files are never read); FOLLOW=1 polls.
+DATA_DIR ?=
+FOLLOW ?=
+CONTINUOUS_ARGS ?=
+.PHONY: continuous
+continuous: setup  ## keep RUN fresh on the click logs of DATA_DIR: score each file (RUN/progressive.jsonl), train a pass, export + evaluated rollout [FOLLOW=1]
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) \
+		-m training.continuous --run-dir $(RUN) --data-dir $(DATA_DIR) $(if $(FOLLOW),--follow) \
+		$(if $(wildcard $(RUN)/checkpoints/latest),,--config training/configs/$(PRESET).toml) $(CONTINUOUS_ARGS)
+
 export: setup  ## export RUN's latest checkpoint: mapped int8/fp16/fp32 tables (FORMATS='["int8","onnx"]' to choose), parity, .mar
 	$(PY) -m training.export --run-dir $(RUN) $(if $(FORMATS),--formats '$(FORMATS)') $(if $(NAME),--name $(NAME)) \
 		$(if $(VERSION),--version $(VERSION)) $(EXPORT_ARGS)

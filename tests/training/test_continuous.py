@@ -1,0 +1,229 @@
+"""The continuous loop end to end: drifting days, progressive validation, a kill mid-file,
+a malformed file, an export, TensorBoard; real torchrun process groups (gloo) on tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, VENV_BIN, _env
+from training.continuous.figure import draw
+from training.continuous.loop import KILL_AT_STEP_ENV
+from training.data.drift import drift_report
+from training.data.synthetic import SyntheticSpec
+from training.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+DAYS, ROWS, DRIFT = 4, 20_000, 0.2
+STEPS_PER_DAY = ROWS // 256  # tiny: global batch 256, the last 32 rows of each day dropped
+
+
+def run_continuous(
+    args: list[str], nproc: int = 2, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    cmd = [str(VENV_BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "training.continuous", "--config", "training/configs/tiny.toml",
+           "--no-progress", *args]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def copy_days(days: Path, dst: Path, names: list[str]) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        for f in (f"{n}.tsv", f"{n}.prob.npy"):
+            shutil.copy(days / f, dst / f)
+    return dst
+
+
+def meta_of(run: Path) -> dict:
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    return json.loads((run / "checkpoints" / latest / "meta.json").read_text())
+
+
+def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def days(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("days")
+    proc = subprocess.run(
+        [sys.executable, "-m", "training.data.synthetic", "--days", str(DAYS), "--drift",
+         str(DRIFT), "--rows", str(ROWS), "--vocab", "100", "--out", str(out), "--no-progress"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert "day 0's click model" in proc.stdout, proc.stdout
+    return out
+
+
+def test_the_drift_is_what_the_days_hold(days: Path) -> None:
+    assert sorted(p.name for p in days.iterdir()) == sorted(
+        f"day_{d}{ext}" for d in range(DAYS) for ext in (".tsv", ".prob.npy")
+    )
+    spec = SyntheticSpec(rows=ROWS, vocab_sizes=[100] * 26)
+    same = drift_report(spec, 3, 0.0, 20_000)
+    assert all(abs(r.loss) < 0.005 for r in same), same  # D = 0: day 0's model stays the best
+    drifting = drift_report(spec, DAYS, DRIFT, 20_000)
+    losses = [r.loss for r in drifting]
+    assert losses[0] == 0.0 and losses == sorted(losses) and losses[-1] > 0.04, drifting
+
+
+@pytest.fixture(scope="module")
+def cont(days: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """4 days on 2 ranks, a malformed file between day 1 and day 2, files that are not there
+    yet (a dot-file, a .tmp), and a stack serving another model: one export, no rollout."""
+    base = tmp_path_factory.mktemp("cont")
+    inbox = copy_days(days, base / "inbox", [f"day_{d}" for d in range(DAYS)])
+    (inbox / "day_1x.tsv").write_text("not\ta\tcriteo\trow\n" * 50)
+    (inbox / ".day_9.tsv.tmp-1").write_text("half written\n")
+    (inbox / "day_9.tsv.tmp").write_text("half written\n")
+    serve, store = base / "serve", base / "store"
+    serve.mkdir()
+    (serve / "plan.json").write_text(json.dumps({"model": "dlrm-other", "default": "1"}))
+    (serve / "serve.json").write_text(
+        json.dumps({"replicas": [{"torchserve": {"model_store": str(store)}}]})
+    )
+    run = base / "run"
+    run_continuous(
+        ["--run-dir", str(run), "--data-dir", str(inbox), f'data.cache_dir="{base / "cache"}"',
+         "data.max_bad_rows=5", "train.keep_last=10", f"continuous.export_every={DAYS}",
+         f'continuous.serve_dir="{serve}"', 'continuous.export_args=["--parity-rows", "2000"]']
+    )  # fmt: skip
+    return run, inbox, store
+
+
+def test_each_file_is_scored_before_it_is_trained(cont: tuple[Path, Path, Path]) -> None:
+    run, _, _ = cont
+    prog = read_metrics(run / "progressive.jsonl")
+    assert [r["file"] for r in prog] == [f"day_{d}.tsv" for d in range(DAYS)]
+    ledger = meta_of(run)["continuous"]["files"]
+    for r, f in zip(prog, ledger, strict=True):
+        assert r["step"] == f["steps"][0]  # the model before the file's first step
+        assert r["rows"] == ROWS and {"auc", "ne", "calibration", "oracle_auc"} <= set(r)
+        assert f["segments"] == [[0, STEPS_PER_DAY * 256]] and f["done"]
+    assert [r["step"] for r in prog] == [d * STEPS_PER_DAY for d in range(DAYS)]
+    assert prog[0]["auc"] < 0.6 < prog[1]["auc"]  # an untrained model, then one of a day
+
+
+def test_a_malformed_file_is_rejected_and_the_loop_goes_on(cont: tuple[Path, Path, Path]) -> None:
+    run, inbox, _ = cont
+    assert (inbox / "rejected" / "day_1x.tsv").is_file() and not (inbox / "day_1x.tsv").exists()
+    reason = (inbox / "rejected" / "day_1x.tsv.reason.txt").read_text()
+    assert "max_bad_rows=5" in reason and "day_1x.tsv" in reason, reason
+    events = read_metrics(run / "continuous.jsonl")
+    assert [e["file"] for e in events if e["event"] == "rejected"] == ["day_1x.tsv"]
+    assert [e["file"] for e in events if e["event"] == "file"][2:] == ["day_2.tsv", "day_3.tsv"]
+    assert (inbox / ".day_9.tsv.tmp-1").exists() and (inbox / "day_9.tsv.tmp").exists()
+    assert sorted(p.name for p in (inbox / "rejected").iterdir()) == [
+        "day_1x.tsv", "day_1x.tsv.reason.txt"
+    ]  # fmt: skip
+
+
+def test_export_every_n_files_and_the_rollout_decision(cont: tuple[Path, Path, Path]) -> None:
+    run, _, store = cont
+    events = read_metrics(run / "continuous.jsonl")
+    step = DAYS * STEPS_PER_DAY
+    exports = [e for e in events if e["event"] == "export"]
+    assert len(exports) == 1 and exports[0]["ok"] and exports[0]["step"] == step, exports
+    assert (store / f"dlrm-tiny-{step}.mar").is_file()
+    schema = json.loads((run / "export" / "schema.json").read_text())
+    assert schema["data"]["files"][0]["path"].endswith("day_3.tsv")  # the file trained last
+    (rollout,) = [e for e in events if e["event"] == "rollout"]
+    assert not rollout["promoted"] and "serves dlrm-other" in rollout["reason"], rollout
+
+
+def test_tensorboard_scalars(cont: tuple[Path, Path, Path]) -> None:
+    run, _, _ = cont
+    files = scalars(run / "tb" / "files")
+    assert [s for s, _ in files["progressive/auc"]] == list(range(DAYS))
+    assert {"progressive/ne", "progressive/calibration", "rollout/promoted"} <= set(files)
+    prog = read_metrics(run / "progressive.jsonl")
+    assert [round(v, 5) for _, v in files["progressive/auc"]] == [round(r["auc"], 5) for r in prog]
+    loss = scalars(run / "tb")["train/loss"]
+    assert [s for s, _ in loss][-1] == DAYS * STEPS_PER_DAY and len(loss) >= DAYS * 3
+
+
+def test_a_model_frozen_after_day_0_loses_auc_the_fresh_one_keeps_it(
+    cont: tuple[Path, Path, Path], days: Path, tmp_path: Path
+) -> None:
+    """Scored only (continuous.learn=false) from the checkpoint after day 0, following a
+    folder the next days arrive in by rename, against the continuous run's figures."""
+    run, _, _ = cont
+    inbox = copy_days(days, tmp_path / "inbox", ["day_1"])
+    frozen = tmp_path / "frozen"
+    ckpt = run / "checkpoints" / f"step_{STEPS_PER_DAY:08d}"
+    cmd = [str(VENV_BIN / "torchrun"), "--standalone", "--nproc_per_node=1", "-m",
+           "training.continuous", "--config", "training/configs/tiny.toml", "--no-progress",
+           "--run-dir", str(frozen), "--resume", str(ckpt), "--data-dir", str(inbox),
+           "--follow", "continuous.learn=false", "continuous.poll_s=0.5",
+           f"continuous.max_files={DAYS - 1}", f'data.cache_dir="{tmp_path / "cache"}"']  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for d in range(2, DAYS):  # each next day arrives once the previous one is scored
+            deadline = time.monotonic() + 120
+            path = frozen / "progressive.jsonl"
+            while not (path.is_file() and len(read_metrics(path)) == d - 1):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+                time.sleep(0.5)
+            for ext in (".prob.npy", ".tsv"):  # written aside, then renamed in
+                shutil.copy(days / f"day_{d}{ext}", inbox / f".day_{d}{ext}.tmp")
+                os.replace(inbox / f".day_{d}{ext}.tmp", inbox / f"day_{d}{ext}")
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    fresh = {r["file"]: r["auc"] for r in read_metrics(run / "progressive.jsonl")}
+    stale = {r["file"]: r["auc"] for r in read_metrics(frozen / "progressive.jsonl")}
+    later = [f"day_{d}.tsv" for d in range(1, DAYS)]
+    assert list(stale) == later
+    assert stale["day_1.tsv"] == pytest.approx(fresh["day_1.tsv"], abs=1e-4)  # the same model
+    print({f: (round(fresh[f], 4), round(stale[f], 4)) for f in later})
+    assert stale[later[-1]] < stale["day_1.tsv"] - 0.02  # drift: the frozen model decays
+    gain = sum(fresh[f] - stale[f] for f in later[1:]) / len(later[1:])
+    assert gain > 0.01, (fresh, stale)
+    ckpts = [p.name for p in (frozen / "checkpoints").glob("step_*")]
+    assert ckpts == [ckpt.name]  # it trained nothing: the step stayed
+    assert draw(run, frozen, tmp_path / "freshness.png").stat().st_size > 10_000
+
+
+def test_kill_mid_file_resumes_without_training_a_row_twice(
+    cont: tuple[Path, Path, Path], days: Path, tmp_path: Path
+) -> None:
+    inbox = copy_days(days, tmp_path / "inbox", ["day_0", "day_1"])
+    run = tmp_path / "run"
+    args = ["--run-dir", str(run), "--data-dir", str(inbox), "continuous.checkpoint_every=20",
+            "continuous.export_every=0", f'data.cache_dir="{tmp_path / "cache"}"']  # fmt: skip
+    proc = run_continuous(args, env={KILL_AT_STEP_ENV: "50"}, check=False)
+    assert proc.returncode != 0 and "SIGKILL" in proc.stderr
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000040"
+    resumed = run_continuous(args)
+    assert "day_0.tsv: resuming at row 10240 of 20000 (step 40)" in resumed.stderr
+    ledger = meta_of(run)["continuous"]["files"]
+    for f in ledger:  # the positions recorded: each row of the order once, none skipped
+        ends = [0, *(b for _, b in f["segments"])]
+        assert [a for a, _ in f["segments"]] == ends[:-1] and ends[-1] == STEPS_PER_DAY * 256
+    assert [b for _, b in ledger[0]["segments"][:3]] == [20 * 256, 40 * 256, 60 * 256]
+    assert meta_of(run)["progress"]["step"] == 2 * STEPS_PER_DAY  # no step redone
+    loss_steps = [r["step"] for r in read_metrics(run / "train_loss.jsonl")]
+    assert loss_steps == sorted(set(loss_steps))
+    prog = read_metrics(run / "progressive.jsonl")
+    assert [r["file"] for r in prog] == ["day_0.tsv", "day_1.tsv"]  # scored once each
+    # the model after the interrupted day is the uninterrupted run's: the same next-day AUC
+    fresh = read_metrics(cont[0] / "progressive.jsonl")[1]
+    assert prog[1]["auc"] == pytest.approx(fresh["auc"], abs=1e-6)

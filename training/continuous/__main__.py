@@ -1,0 +1,44 @@
+"""``torchrun --nproc_per_node=N -m training.continuous --run-dir RUN --data-dir DIR [--follow]``
+(``make continuous``, ``recsys-continuous``): see :mod:`training.continuous.loop`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from recsys_stack import logs
+from training.continuous.config import parse_args
+from training.errors import RecsysError
+from training.train import configure_logging, setup_distributed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    configure_logging(rank, verbose=logs.verbose_requested())
+    try:
+        args = parse_args(argv)
+        rank, world, device = setup_distributed()
+        from training.continuous.loop import Continuous
+
+        summary = Continuous(args, rank, world, device).run()
+        if rank == 0:
+            print(json.dumps(summary))
+        return 0
+    except RecsysError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        else:  # every rank fails alike: give rank 0 the time to say why before torchrun stops it
+            time.sleep(2.0)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""The continuous loop's command line: the training config plus a ``[continuous]`` section.
+
+The base is the config recorded in the run's checkpoint (the model it warm-starts must keep its
+shape), then the one mechanism of every stage (:mod:`recsys_stack.config`)::
+
+    defaults < RUN's checkpoint config < --config FILE.toml < environment < flags, key=value
+
+so ``optim.embedding_lr=0.02`` or ``train.batch_size=512`` change how the loop trains, and a
+change of ``model.*`` is refused like any resume of another shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recsys_stack import config as shared
+from recsys_stack.config import env_field
+from training import checkpoint
+from training.config import Config, config_errors
+from training.errors import ConfigError, RecsysError
+
+SERVE_DIR_ENV = "RECSYS_SERVE_DIR"  # the running stack's state folder (make serve's)
+
+
+@dataclass
+class ContinuousSection:
+    data_dir: str = ""
+    """Folder the click-log files arrive in (Criteo TSV), consumed in name order. A file must
+    appear complete, by rename: names starting with '.' or ending in '.tmp' are never read,
+    nor sidecars (.prob.npy) and folders (rejected/)."""
+    follow: bool = False
+    """Keep polling data_dir for new files (off: process the files there, then exit)."""
+    poll_s: float = 10.0
+    """Seconds between looks at data_dir when following."""
+    max_files: int = 0
+    """Stop after this many files in this invocation (0 = no limit)."""
+    learn: bool = True
+    """Train one pass on each file after scoring it (off: score only, as a model frozen at
+    its checkpoint would be scored)."""
+    progressive_rows: int = 0
+    """Rows of each file scored by the progressive validation before training on it (its
+    first rows; 0 = all)."""
+    checkpoint_every: int = 0
+    """Steps between checkpoints inside a file (0 = only at the end of each file); each
+    records the file and the row position, so a killed run resumes there."""
+    export_every: int = 1
+    """Export a new version every this many files trained (0 = never)."""
+    export_args: list[str] = field(default_factory=list)
+    """Extra arguments of `python -m training.export` (e.g. ["--parity-rows", "5000"])."""
+    model_store: Path = Path("model_store")
+    """Where exported versions go when no stack is serving (else the stack's store)."""
+    rollout: bool = True
+    """After an export, when a stack is serving (serve_dir/plan.json), roll the version out,
+    evaluated against the served default on the file trained last (refused: recorded, go on)."""
+    serve_dir: Path = env_field(SERVE_DIR_ENV, Path("runs/serve"))
+    """The running stack's state folder (make serve's)."""
+    rollout_eval_rows: int = 20_000
+    """Rows of the file trained last the rollout compares the two versions on (0 = all)."""
+    rollout_args: list[str] = field(default_factory=list)
+    """Extra arguments of `python -m serving.tools.rollout` (e.g. ["--dwell-s", "3"])."""
+    keep_cache: bool = False
+    """Keep each file's preprocessed cache (data.cache_dir) after it is consumed."""
+
+
+@dataclass
+class ContinuousConfig(Config):
+    continuous: ContinuousSection = field(default_factory=ContinuousSection)
+
+    def validate(self) -> None:
+        super().validate()
+        c = self.continuous
+        for name in ("max_files", "progressive_rows", "checkpoint_every", "export_every"):
+            if getattr(c, name) < 0:
+                raise ConfigError(f"continuous.{name} = {getattr(c, name)}: must be >= 0")
+        if c.poll_s <= 0:
+            raise ConfigError(f"continuous.poll_s = {c.poll_s}: must be > 0")
+        if not c.data_dir:
+            raise ConfigError("which folder? --data-dir DIR (continuous.data_dir)")
+
+
+@dataclass
+class ContinuousArgs:
+    config: ContinuousConfig
+    run_dir: Path
+    resume: str  # "auto" | "none" | a checkpoint path
+    progress: bool
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = shared.ArgumentParser(
+        prog="torchrun --nproc_per_node=N -m training.continuous",
+        description=(
+            "Keep a model fresh: warm-start from the run's latest checkpoint, then for each "
+            "new file of --data-dir (name order): score it with the current model (progressive "
+            "validation -> RUN/progressive.jsonl), train one pass on it, checkpoint with the "
+            "file and row position; every continuous.export_every files export a version and, "
+            "when a stack is serving, roll it out evaluated against the served default."
+        ),
+        usage="%(prog)s --run-dir RUN --data-dir DIR [--follow] [options] [section.key=value ...]",
+    )
+    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<preset name>)")
+    p.add_argument("--data-dir", help="the folder files arrive in (= continuous.data_dir=...)")
+    p.add_argument("--follow", action="store_true", help="keep polling (= continuous.follow)")
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="'auto' (default): the run's checkpoints/latest, or a fresh model from the config "
+        "when it has none; 'none': a fresh model; or a checkpoint directory to warm-start from",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    shared.add_config_args(p, ContinuousConfig)
+    return p
+
+
+def recorded_config(run_dir: Path, resume: str) -> dict[str, Any]:
+    """The training config of the checkpoint the loop would warm-start from (empty: none)."""
+    try:
+        path = checkpoint.resolve(resume, run_dir / "checkpoints")
+        if path is None:
+            return {}
+        raw: dict[str, Any] = checkpoint.read_meta(path).get("config", {})
+    except RecsysError:  # reported with its reason when the loop opens it
+        return {}
+    return raw
+
+
+def load(base: dict[str, Any], path: Path | None, overrides: Sequence[str]) -> ContinuousConfig:
+    """``base`` < ``path`` < environment < ``overrides``, type-checked and validated; an error
+    names where the bad key came from (the file, the variables or the command line)."""
+    cls = ContinuousConfig
+    raw = dict(base)
+    with config_errors():
+        sources: list[tuple[str, list[dict[str, Any]]]] = []
+        if path is not None:
+            sources.append((str(path), [shared.read_toml(path)]))
+        env = shared.env_values(cls, os.environ)
+        if env:
+            sources.append(("environment " + ", ".join(v for v, _ in env), [d for _, d in env]))
+        sources.append(("command line", [shared.parse_override(cls, o) for o in overrides]))
+        for where, parts in sources:
+            for part in parts:
+                raw = shared.merge(raw, part)
+            try:
+                cfg = shared.build(cls, raw)
+            except shared.ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
+    cfg.validate()
+    return cfg
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ContinuousArgs:
+    """``argv`` -> the validated config and the run options. Raises ConfigError."""
+    ns = build_parser().parse_intermixed_args(argv)
+    overrides = shared.overrides_from(ns)
+    if ns.data_dir:
+        overrides.append(f"continuous.data_dir={json.dumps(ns.data_dir)}")
+    if ns.follow:
+        overrides.append("continuous.follow=true")
+    cfg = load({}, ns.config, overrides)  # errors in the arguments first, before any file
+    run_dir = ns.run_dir or Path("runs") / (ns.config.stem if ns.config else cfg.name)
+    base = recorded_config(run_dir, ns.resume)
+    if base:
+        base.pop("continuous", None)
+        cfg = load(base, ns.config, overrides)
+    elif ns.config is not None and cfg.name == "custom":
+        cfg = dataclasses.replace(cfg, name=ns.config.stem)
+    return ContinuousArgs(cfg, run_dir, ns.resume, not ns.no_progress)

@@ -1,0 +1,356 @@
+"""The continuous loop: score each arriving file, train one pass on it, checkpoint, publish.
+
+Every rank runs the same loop in the same process group (any number of processes); rank 0
+looks at the data folder and preprocesses each file while the others wait for its outcome
+(broadcast), so every rank takes the same file, or the same rejection, at the same time.
+The per-file schedule:
+
+1. **load**: the file's binary cache (:func:`training.data.binary.ensure_binary`, ids hashed
+   for the model's tables); a file failing the malformed-row policy, or too short for one
+   global batch, is moved to ``rejected/`` with its reason (:mod:`training.continuous.inbox`);
+2. **progressive validation**: AUC, NE, calibration of the current model on the file (its
+   first ``continuous.progressive_rows``, default all) before any of it is trained, one record
+   in ``RUN/progressive.jsonl`` and ``progressive/*`` in TensorBoard (step = the file's number);
+3. **train** one pass over the file's rows in a shuffled order of its own (seed: the run's and
+   the file's number), checkpointing every ``continuous.checkpoint_every`` steps and at the
+   end with the ledger (file, row position, trained segments) in ``meta.json``: a run killed
+   mid-file resumes at the last checkpoint's row, and its progressive record is not redone;
+   the last ``rows % train.batch_size`` rows of the order are not trained (recorded);
+4. **publish** every ``continuous.export_every`` files (:mod:`training.continuous.publish`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from training import checkpoint
+from training.checkpointer import Checkpointer
+from training.config import config_to_dict
+from training.continuous import inbox
+from training.continuous.config import ContinuousArgs, ContinuousConfig
+from training.continuous.inbox import FileRecord, Ledger
+from training.continuous.publish import on_rank0, publish
+from training.errors import DataError, RecsysError
+from training.evaluator import evaluate
+from training.loader import Arrays, TrainStream
+from training.metrics import MetricsLog, read_metrics
+from training.tb import Scalars
+from training.tb import for_run as scalars_for_run
+from training.train import make_loop
+from training.trainer import Trainer, build_trainer, unwrapped_model
+
+logger = logging.getLogger("training")
+# Fault injection for the kill-mid-file test: the last rank SIGKILLs itself after this step.
+KILL_AT_STEP_ENV = "RECSYS_TEST_KILL_AT_STEP"
+PROGRESSIVE = "progressive.jsonl"
+EVENTS = "continuous.jsonl"
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    box = [value]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def training_config(cfg: ContinuousConfig, path: Path | None) -> dict[str, Any]:
+    """The config recorded in checkpoints: the training sections (``make export`` reads them),
+    with ``data.path`` = the file trained last."""
+    raw = config_to_dict(cfg)
+    raw.pop("continuous", None)
+    if path is not None:
+        raw["data"]["path"] = str(path)
+    return raw
+
+
+class Continuous:
+    """The loop's state on one rank: trainer, progress, ledger, logs (see the module doc)."""
+
+    def __init__(self, args: ContinuousArgs, rank: int, world: int, device: torch.device):
+        cfg, self.run_dir = args.config, args.run_dir
+        self.cfg, self.c, self.rank, self.world, self.device = (
+            cfg,
+            cfg.continuous,
+            rank,
+            world,
+            device,
+        )
+        self.show_bar = rank == 0 and args.progress
+        self.data_dir = Path(self.c.data_dir)
+        if cfg.train.batch_size % world:
+            raise DataError(
+                f"train.batch_size = {cfg.train.batch_size} is not divisible by {world} processes"
+            )
+        resume_from = checkpoint.resolve(args.resume, self.run_dir / "checkpoints")
+        meta = checkpoint.read_meta(resume_from) if resume_from else None
+        if resume_from and meta:
+            checkpoint.check_compatible(resume_from, meta, config_to_dict(cfg)["model"])
+        self.trainer: Trainer = build_trainer(cfg, device)
+        self.progress = checkpoint.Progress()
+        self.meta: dict[str, Any] = {"config": training_config(cfg, None), "world_size": world,
+                                     "data": {}, "versions": {"torch": torch.__version__}}  # fmt: skip
+        self.checkpointer = Checkpointer(
+            self.run_dir / "checkpoints", self.trainer, self.progress, cfg, self.meta
+        )
+        self.ledger = Ledger()
+        if resume_from is not None:
+            assert meta is not None
+            self.checkpointer.restore(resume_from, meta, rank)
+            self.ledger = Ledger.from_json(meta.get("continuous"))
+        elif rank == 0:
+            logger.info("%s: no checkpoint, a fresh model from the config", self.run_dir)
+        step = self.progress.step
+        self.tb: Scalars = scalars_for_run(self.run_dir, rank, step)
+        on0 = rank == 0
+        self.loss_log = MetricsLog(self.run_dir / "train_loss.jsonl", on0, self.tb, "train")
+        self.progressive = MetricsLog(self.run_dir / PROGRESSIVE, on0)
+        self.events = MetricsLog(self.run_dir / EVENTS, on0)
+        for log in (self.loss_log, self.progressive, self.events):
+            log.truncate_after(step)  # work a killed run did past its checkpoint is redone
+        # per-file scalars (progressive/*, rollout/*: step = the file's number) in a folder of
+        # their own, never purged: a file is scored once per run, and numbered for good
+        self.tb_files = Scalars(self.run_dir / "tb" / "files", enabled=on0)
+        self.pipeline: Any = None
+        self.last_metrics: dict[str, Any] = {}
+        self.file_stats: dict[str, Any] = {}
+
+    # -- files -----------------------------------------------------------------------------
+
+    def next_file(self) -> str | None:
+        """Rank 0's choice, on every rank: the file in progress, else the first pending one."""
+        current = self.ledger.current
+        if current is not None:
+            return current.file
+        name = None
+        if self.rank == 0:
+            files = inbox.pending(self.data_dir, self.ledger.consumed)
+            name = files[0].name if files else None
+        return from_rank0(name)  # type: ignore[no-any-return]
+
+    def load(self, path: Path) -> tuple[Arrays | None, str, dict[str, Any]]:
+        """(the file's rows, "", data info) or (None, why it is rejected, {})."""
+        from training.data.binary import ensure_binary, load_binary
+
+        d = self.cfg.data
+        outcome: tuple[str, str] = ("", "")
+        if self.rank == 0:
+            try:
+                out_dir, _ = ensure_binary(
+                    [path], Path(d.cache_dir), on_bad=d.on_bad_row, max_bad_rows=d.max_bad_rows,
+                    progress=self.show_bar, rows_per_table=self.cfg.model.rows(),
+                    processes=d.preprocess_processes,
+                )  # fmt: skip
+                outcome = ("ok", str(out_dir))
+            except RecsysError as e:
+                outcome = ("rejected", str(e))
+        kind, text = from_rank0(outcome)
+        if kind != "ok":
+            return None, text, {}
+        data = load_binary(Path(text))
+        tables = data.meta.rows_per_table
+        arrays = Arrays(data.labels, data.dense, data.sparse, data.prob,
+                        None if tables is None else tuple(tables))  # fmt: skip
+        need = self.cfg.train.batch_size if self.c.learn else 1
+        if len(arrays) < need or len(set(arrays.labels[:100_000].tolist())) < 2:
+            return (
+                None,
+                f"{len(arrays)} usable rows: too few for one batch of {need} rows, or a single label",
+                {},
+            )
+        info = {"source": str(path), "binary": text, "rows": len(arrays),
+                "train_rows": len(arrays), "parse_report": data.meta.parse_report}  # fmt: skip
+        return arrays, "", info
+
+    def reject(self, name: str, reason: str) -> None:
+        if self.rank == 0:
+            path = self.data_dir / name
+            if path.exists():
+                where = inbox.reject(path, reason)
+                logger.warning("%s rejected (-> %s): %s", name, where.parent, reason)
+            self.events.write({"event": "rejected", "file": name, "reason": reason,
+                               "step": self.progress.step, "time": time.time()})  # fmt: skip
+        current = self.ledger.current
+        if current is not None and current.file == name:
+            self.ledger.files.remove(current)
+
+    # -- progressive validation --------------------------------------------------------------
+
+    def model(self) -> torch.nn.Module:
+        if self.pipeline is None:
+            return self.trainer.model
+        return unwrapped_model(self.pipeline, self.trainer)
+
+    def validate(self, record: FileRecord, arrays: Arrays) -> None:
+        """Score the file before training on it, once (a resumed file keeps its record)."""
+        done = self.rank == 0 and any(
+            r.get("file") == record.file for r in self._records(self.run_dir / PROGRESSIVE)
+        )
+        if from_rank0(done):
+            return
+        n = self.c.progressive_rows
+        rows = arrays.rows(0, min(n, len(arrays))) if n else arrays
+        t0 = time.perf_counter()
+        m = evaluate(self.model(), rows, self.cfg, self.rank, self.world)
+        rec: dict[str, Any] = {"file": record.file, "rows": m["eval_rows"], "auc": m["auc"],
+                               "ne": m["ne"], "calibration": m["calibration"],
+                               "step": self.progress.step, "file_index": record.index,
+                               "learn": self.c.learn,
+                               "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
+        if "oracle_auc" in m:
+            rec["oracle_auc"] = m["oracle_auc"]
+        self.progressive.write(rec)
+        scalars: dict[str, Any] = {
+            k: rec[k] for k in ("auc", "ne", "calibration", "oracle_auc") if k in rec
+        }
+        self.tb_files.add("progressive", scalars, record.index)
+        self.last_metrics = rec
+        if self.rank == 0:
+            logger.info("%s: progressive AUC %.4f  NE %.4f  calibration %.4f  (%d rows, step %d)",
+                        record.file, rec["auc"], rec["ne"], rec["calibration"], rec["rows"],
+                        rec["step"])  # fmt: skip
+
+    @staticmethod
+    def _records(path: Path) -> list[dict[str, Any]]:
+        return read_metrics(path) if path.is_file() else []
+
+    # -- training ----------------------------------------------------------------------------
+
+    def save(self, path: Path, info: dict[str, Any]) -> None:
+        self.meta["config"] = training_config(self.cfg, path)
+        self.meta["data"] = info
+        self.meta["continuous"] = self.ledger.to_json()
+        self.checkpointer.save(self.last_metrics)
+
+    def train(self, record: FileRecord, arrays: Arrays, path: Path, info: dict[str, Any]) -> None:
+        """One pass over ``arrays`` from ``record.row``, checkpointing with the position."""
+        cfg, g = self.cfg, self.cfg.train.batch_size
+        stream = TrainStream(
+            arrays, global_batch=g, rank=self.rank, world_size=self.world,
+            rows_per_table=cfg.model.rows(), seed=cfg.train.seed,
+            epochs=record.index + 1, start_epoch=record.index, start_row=record.row,
+        )  # fmt: skip
+        steps = (len(arrays) - record.row) // g
+        self.progress.epoch, self.progress.rows_in_epoch = record.index, record.row
+        step0, row0 = self.progress.step, record.row
+        record.begin(step0)
+        if self.rank == 0 and record.row:
+            logger.info("%s: resuming at row %d of %d (step %d)", record.file, record.row,
+                        len(arrays), step0)  # fmt: skip
+        loop = make_loop(cfg, self.trainer, self.device, stream, self.progress, step0 + steps,
+                         self.loss_log, self.show_bar)  # fmt: skip
+        self.pipeline = loop.pipeline
+        kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "-1"))
+        start = row0
+        while self.progress.step < loop.total and loop.step():
+            step = self.progress.step
+            if step == kill_at and self.rank == self.world - 1:
+                logger.warning(
+                    "%s: killing rank %d after step %d", KILL_AT_STEP_ENV, self.rank, step
+                )
+                os.kill(os.getpid(), signal.SIGKILL)
+            every = self.c.checkpoint_every
+            if every and step % every == 0 and step < loop.total:
+                loop.window.flush()
+                row = row0 + (step - step0) * g
+                record.advance(start, row, step)
+                start = row
+                with loop.window.excluded():
+                    self.save(path, info)
+        loop.bar.close()
+        rate = loop.window.samples_per_sec()
+        record.advance(start, row0 + (self.progress.step - step0) * g, self.progress.step)
+        self.file_stats = {"samples_per_sec": round(rate, 1) if rate else None,
+                           "train_loss": loop.window.loss_sum / loop.window.steps
+                           if loop.window.steps else None}  # fmt: skip
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def publish(self, newest: Path) -> None:
+        """Export the current step; roll it out evaluated on ``newest``, the file trained last
+        (the served default is at most ``export_every`` files older than it)."""
+        step = self.progress.step
+        index = len(self.ledger.consumed) - 1  # the file number it follows
+
+        def work() -> list[dict[str, Any]]:
+            try:
+                return publish(self.cfg, self.run_dir, step, newest)
+            except Exception as e:  # recorded; the loop goes on
+                return [{"event": "export", "ok": False, "step": step, "error": repr(e)}]
+
+        done = [f.file for f in self.ledger.files if f.done]
+        for r in on_rank0(work, self.rank):
+            r["after"] = done[-1] if done else None  # the file it was trained up to
+            self.events.write(r)
+            if self.rank == 0:
+                logger.info("%s", {k: v for k, v in r.items() if k != "time"})
+            if r["event"] == "rollout":
+                nums = {"promoted": float(bool(r.get("promoted")))}
+                nums |= {k: r[k] for k in ("auc_default", "auc_candidate") if r.get(k) is not None}
+                self.tb_files.add("rollout", nums, index)
+        self.ledger.files_since_export = 0
+        self.ledger.exported_step = step
+
+    def due(self) -> bool:
+        every = self.c.export_every
+        return self.c.learn and bool(every) and self.ledger.files_since_export >= every
+
+    def run(self) -> dict[str, Any]:
+        """Files until none is left (or ``max_files``), polling when following."""
+        c, done = self.c, 0
+        if self.due():  # the checkpoint says a publish was due: done unless the log has it
+            step = self.progress.step
+            published = self.rank == 0 and any(
+                e.get("event") == "export" and e.get("step") == step
+                for e in self._records(self.run_dir / EVENTS)
+            )
+            if from_rank0(published):
+                self.ledger.files_since_export, self.ledger.exported_step = 0, step
+            else:  # killed before it: publish what the checkpoint holds
+                last = [f.file for f in self.ledger.files if f.done][-1]
+                self.publish(self.data_dir / last)
+        while not (c.max_files and done >= c.max_files):
+            name = self.next_file()
+            if name is None:
+                if not c.follow:
+                    break
+                time.sleep(c.poll_s)
+                continue
+            path = self.data_dir / name
+            arrays, reason, info = self.load(path)
+            if arrays is None:
+                self.reject(name, reason)
+                continue
+            record = self.ledger.current or self.ledger.start(name, len(arrays))
+            self.validate(record, arrays)
+            t0 = time.perf_counter()
+            self.file_stats = {}
+            if c.learn:
+                self.train(record, arrays, path, info)
+            record.done = True
+            self.ledger.files_since_export += 1
+            self.save(path, info)
+            done += 1
+            self.events.write({"event": "file", "file": name, "rows": record.rows,
+                               "trained_rows": record.row, "dropped_rows": record.rows - record.row if c.learn else 0,
+                               "segments": record.segments, "step": self.progress.step,
+                               "seconds": round(time.perf_counter() - t0, 1), **self.file_stats})  # fmt: skip
+            if self.rank == 0:
+                logger.info("%s: trained %d of %d rows, step %d", name, record.row, record.rows,
+                            self.progress.step)  # fmt: skip
+                if not c.keep_cache:
+                    inbox.drop_cache(Path(info["binary"]))
+            if self.due():
+                self.publish(path)
+        self.tb.close()
+        self.tb_files.close()
+        return {"files": done, "step": self.progress.step, "consumed": len(self.ledger.consumed),
+                "run_dir": str(self.run_dir)}  # fmt: skip
