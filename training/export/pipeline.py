@@ -154,14 +154,16 @@ def parity_arrays(ecfg: ExportConfig, train_cfg: Any) -> Arrays:
     from training.data.binary import ensure_binary, load_binary
     from training.data_prep import prepare_data
 
+    tables = list(train_cfg.model.rows())  # the cache training built: ids hashed once
     if ecfg.eval_data is not None:
         out_dir, _ = ensure_binary(
-            [ecfg.eval_data], Path(train_cfg.data.cache_dir), progress=ecfg.progress
-        )
+            [ecfg.eval_data], Path(train_cfg.data.cache_dir), progress=ecfg.progress,
+            rows_per_table=tables,
+        )  # fmt: skip
         data = load_binary(out_dir)
-        arrays = Arrays(data.labels, data.dense, data.sparse, data.prob)
+        arrays = Arrays(data.labels, data.dense, data.sparse, data.prob, tuple(tables))
     else:
-        arrays = prepare_data(train_cfg.data, rank=0, progress=ecfg.progress)[1]
+        arrays = prepare_data(train_cfg.data, 0, ecfg.progress, rows_per_table=tables)[1]
     arrays = arrays.rows(0, min(len(arrays), ecfg.parity_rows))
     if len(arrays) == 0:
         raise DataError("the eval set is empty: parity needs held-out rows (see --eval-data)")
