@@ -325,12 +325,12 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         x, [r["serve"]["total_pss"] / gb for r in results], "o-", label="replica PSS (all workers)"
     )
     a.plot(x, x, "k:", label="fp32 tables")
-    a.set(xlabel="fp32 table GB", ylabel="GB", title="cost vs table size")
+    a.set(xlabel="fp32 table GiB", ylabel="GiB", title="cost vs table size")
     a.legend()
     b.plot(x, [r["serve"]["examples_per_s"] for r in results], "o-", label="unconfined")
     b.plot(x, [r.get("confined", {}).get("examples_per_s", np.nan) for r in results], "o-",
            label="half the tables in memory")  # fmt: skip
-    b.set(xlabel="fp32 table GB", ylabel="examples/s", title="serving through the gateway (Zipf)")
+    b.set(xlabel="fp32 table GiB", ylabel="examples/s", title="serving through the gateway (Zipf)")
     b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
