@@ -74,6 +74,8 @@ class ScaleConfig:
     """Requests per load run (spread over the callers)."""
     zipf: float = 1.15
     """Exponent of the ids' Zipf law."""
+    distinct: int = 512
+    """Distinct requests the load cycles through (their ids are the working set)."""
     confine: bool = True
     """Also serve with the workers' table reads confined by a cgroup (needs root)."""
     fractions: list[float] = field(default_factory=lambda: [0.5])
@@ -256,7 +258,7 @@ def serve(
             )
             group = stack.enter_context(confined(workers, out["limit_bytes"]))
         faults = _major_faults(workers)
-        load = zipf_load(target, zipf_requests(rows, cfg))
+        load = zipf_load(target, zipf_requests(rows, cfg, cfg.distinct))
         shape = SimpleNamespace(examples=cfg.examples)
         lat, wall, errors = run_cell(load, shape, cfg.concurrency, cfg.requests)  # type: ignore[arg-type]
         group_pids = [p.pid for p in process.group_members(proc.pid)]
