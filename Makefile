@@ -34,13 +34,16 @@ setup: $(VENV)/.installed  ## create .venv from requirements/lock.txt (CPU fbgem
 # except the three packages whose build depends on the device (see pyproject.toml): torch (the
 # CPU wheel on this machine's disk, or PyPI's CUDA build with its nvidia-* libraries), fbgemm
 # (fbgemm-gpu-cpu or fbgemm-gpu) and torchrec (--no-deps: it declares the CUDA fbgemm wheel).
-# They are pinned here; on CPU torch's own requirements are already in the lock.
+# On a machine without a GPU they are hash-pinned too (requirements/device-cpu.txt); on CUDA
+# they are pinned by version here. On CPU torch's own requirements are already in the lock.
 TORCH_PINS := torch==2.13.0 torchrec==1.8.0
-$(VENV)/.installed: requirements/lock.txt pyproject.toml
+DEVICE_REQS := $(if $(filter fbgemm-gpu-cpu%,$(FBGEMM)),requirements/device-cpu.txt)
+$(VENV)/.installed: requirements/lock.txt requirements/device-cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --require-hashes --no-deps -r requirements/lock.txt
-	$(PY) -m pip install -q $(word 1,$(TORCH_PINS)) $(FBGEMM)
-	$(PY) -m pip install -q --no-deps $(word 2,$(TORCH_PINS))
+	$(if $(DEVICE_REQS),$(PY) -m pip install -q --require-hashes --no-deps -r $(DEVICE_REQS),\
+	  $(PY) -m pip install -q $(word 1,$(TORCH_PINS)) $(FBGEMM) && \
+	  $(PY) -m pip install -q --no-deps $(word 2,$(TORCH_PINS)))
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -c "import torch, fbgemm_gpu, torchrec; print('torch', torch.__version__, 'torchrec', torchrec.__version__)"
 	$(PY) -m serving.protos
