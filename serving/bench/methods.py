@@ -30,9 +30,10 @@ def in_process(model: Model, threads: int) -> Connect:
     import fbgemm_gpu  # noqa: F401  registers the fbgemm ops the artifact calls
     import torch
 
+    from serving.worker.scoring import load_artifact
+
     torch.set_num_threads(threads)
-    scripted = torch.jit.load(str(model.artifact))
-    scripted.eval()
+    scripted = load_artifact(model.artifact, model.variant, torch.device("cpu"), None)
 
     def connect(p: Payload) -> tuple[Call, Callable[[], None]]:
         x = (torch.from_numpy(p.dense), torch.from_numpy(p.values), torch.from_numpy(p.lengths))

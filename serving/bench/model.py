@@ -38,7 +38,8 @@ def build_model(workdir: Path, max_rows: int) -> tuple[Path, Path]:
          "--no-progress", "--resume", "none", "train.max_steps=3", "train.batch_size=1024",
          "data.synthetic_rows=40000", f"model.num_embeddings={capped}", *data],
         ["training.export", "--run-dir", str(run), "--no-progress", "--model-store", str(store),
-         "--name", "bench", "--version", "1", "--parity-rows", "4000"],
+         "--name", "bench", "--version", "1", "--parity-rows", "4000",
+         "--formats", '["int8", "fp16", "fp32", "torchscript"]'],
     ]  # fmt: skip
     for args in steps:
         proc = subprocess.run(
@@ -71,9 +72,27 @@ class Model:
 
     @property
     def artifact(self) -> Path:
-        """The TorchScript file the .mar serves (``model_<served_variant>.pt``)."""
-        variant = self.schema["served_variant"]
-        return self.export / self.schema["variants"][variant]["file"]
+        """The file the .mar serves (``mapped_int8.pt`` by default)."""
+        return self.export / self.variant["file"]
+
+    @property
+    def variant(self) -> dict[str, Any]:
+        """The served variant's schema record (what loading it needs)."""
+        return dict(self.schema["variants"][self.schema["served_variant"]])
+
+    @property
+    def plain_artifact(self) -> Path:
+        """The TorchScript file plain TorchServe serves (its users' way: BaseHandler and
+        ``torch.jit.load``): TorchRec's int8 (``torchscript`` format), else the portable fp32
+        (``portable``); an export with neither cannot be the peer's."""
+        variants = self.schema["variants"]
+        for name in ("ts_int8", "portable"):
+            if name in variants:
+                return self.export / variants[name]["file"]
+        raise RuntimeError(
+            f"{self.export} has no TorchScript variant for plain TorchServe: export with "
+            '--formats \'["int8", "fp16", "fp32", "torchscript"]\''
+        )
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,7 @@ def describe(
         "model": {
             "name": model.name, "version": model.version,
             "served_variant": model.schema["served_variant"], "artifact": model.artifact.name,
+            "plain_artifact": model.plain_artifact.name if "plain-torchserve" in cfg.methods else None,
             "table_rows": [t["rows"] for t in model.schema.get("tables", [])],
         },
         "sizes": cfg.sizes, "concurrency": cfg.concurrency,

@@ -156,7 +156,7 @@ def start_all(
     started = []
     if plain_threads is not None:
         store = work / "plain-store"
-        mar = archive_plain(model.artifact, store)
+        mar = archive_plain(model.plain_artifact, store)
         plain = on_free_ports(TorchServeConfig(
             model_store=store, mar_file=mar, model_name=PLAIN[0], model_version=PLAIN[1],
             workdir=work / "plain-ts", log_config="default",  # the peer: TorchServe's logging

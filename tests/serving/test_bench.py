@@ -25,10 +25,12 @@ from tests.conftest import third_party_noise
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_plain_handler_scores_like_the_artifact(exported: tuple[Path, Path, str]) -> None:
-    model = Model.load(exported[0])
+def test_plain_handler_scores_like_the_artifact(
+    exported_portable: tuple[Path, Path, str],
+) -> None:
+    model = Model.load(exported_portable[0])
     handler = PlainHandler()
-    handler.model = torch.jit.load(str(model.artifact))
+    handler.model = torch.jit.load(str(model.plain_artifact))
     a, b = payload(model, 3), payload(model, 5)
     batch = [{"body": json.loads(a.plain_json)}, {"data": json.loads(b.plain_json)}]
     out = handler.postprocess(handler.inference(handler.preprocess(batch)))
@@ -53,9 +55,9 @@ def test_ratios_are_to_plain_at_the_same_cell_and_to_in_process_at_the_same_size
 
 
 def test_a_tiny_run_measures_every_method_at_every_cell(
-    exported: tuple[Path, Path, str], tmp_path: Path
+    exported_portable: tuple[Path, Path, str], tmp_path: Path
 ) -> None:
-    export, store, _ = exported
+    export, store, _ = exported_portable
     out = tmp_path / "bench.json"
     args = [
         "--export", str(export), "--model-store", str(store), "--sizes", "[1, 10]",
