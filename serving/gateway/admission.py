@@ -61,6 +61,8 @@ REFUSING_ALL_MIN = 20
 DOOR_POLL_S = 0.002
 # the place a call holds at the door (examples expected), per task: admit() converts it
 _DOOR: contextvars.ContextVar[float] = contextvars.ContextVar("admission_door", default=0.0)
+# ... and the ids it is expected to bring
+_DOOR_IDS: contextvars.ContextVar[float] = contextvars.ContextVar("admission_ids", default=0.0)
 
 
 @dataclass
@@ -87,6 +89,11 @@ class Admission:
     prior_examples: float = 0.0
     """What a call at the door counts as before any request was admitted (the gateway: its
     per-request limit, the worst case)."""
+    reserved_ids: float = 0.0
+    """Ids expected from the calls past the door not admitted yet (each: :attr:`peak_ids`)."""
+    peak_ids: int = 0
+    """The most ids of a request admitted in the last :data:`PEAK_WINDOW_S` (about)."""
+    peak_ids_at: float = 0.0
     peak_examples: int = 0
     """The largest request admitted in the last :data:`PEAK_WINDOW_S` (about)."""
     peak_at: float = 0.0
@@ -102,14 +109,18 @@ class Admission:
             )
         self.in_flight += examples
         self.ids_in_flight += ids
-        own = _DOOR.get()
-        if own:  # this call's place at the door becomes its real size
+        own, own_ids = _DOOR.get(), _DOOR_IDS.get()
+        if own or own_ids:  # this call's place at the door becomes its real size
             self.reserved -= own
+            self.reserved_ids -= own_ids
             _DOOR.set(0.0)
+            _DOOR_IDS.set(0.0)
         now = time.monotonic()
         self.deadline_refusals, self.last_admit_at = 0, now
         if examples >= self.peak_examples or now - self.peak_at > PEAK_WINDOW_S:
             self.peak_examples, self.peak_at = examples, now
+        if ids >= self.peak_ids or now - self.peak_ids_at > PEAK_WINDOW_S:
+            self.peak_ids, self.peak_ids_at = ids, now
 
     def check(self, examples: int, time_remaining: float | None) -> None:
         """Raise :class:`ScoreError` when :meth:`admit` would refuse (reserves nothing): lets
@@ -150,7 +161,10 @@ class Admission:
         """No room for one more call: what is admitted, plus what the calls past the door are
         expected to bring, plus this one, is over the budget."""
         busy = self.in_flight + self.reserved
-        return busy > 0 and busy + self.expected > self.max_examples
+        if busy > 0 and busy + self.expected > self.max_examples:
+            return True
+        busy_ids = self.ids_in_flight + self.reserved_ids  # ids: counted once sizes are known
+        return self.max_ids is not None and busy_ids > 0 and busy_ids + self.peak_ids > self.max_ids
 
     @property
     def expected(self) -> float:
@@ -163,17 +177,20 @@ class Admission:
         """A request was admitted (every admitted request has at least one example)."""
         return self.peak_examples > 0
 
-    def enter(self) -> contextvars.Token[float]:
-        """A call passes the door: hold :attr:`expected` examples for it until :meth:`admit`
-        (in the same task) or :meth:`leave`."""
-        expected = self.expected
+    def enter(self) -> tuple[contextvars.Token[float], contextvars.Token[float]]:
+        """A call passes the door: hold :attr:`expected` examples and :attr:`peak_ids` ids for
+        it until :meth:`admit` (in the same task) or :meth:`leave`."""
+        expected, ids = self.expected, float(self.peak_ids)
         self.reserved += expected
-        return _DOOR.set(expected)
+        self.reserved_ids += ids
+        return _DOOR.set(expected), _DOOR_IDS.set(ids)
 
-    def leave(self, token: contextvars.Token[float]) -> None:
+    def leave(self, tokens: tuple[contextvars.Token[float], contextvars.Token[float]]) -> None:
         """The call is done: drop its place at the door if :meth:`admit` did not take it."""
         self.reserved -= _DOOR.get()
-        _DOOR.reset(token)
+        self.reserved_ids -= _DOOR_IDS.get()
+        _DOOR.reset(tokens[0])
+        _DOOR_IDS.reset(tokens[1])
 
     def release(self, examples: int, ids: int = 0) -> None:
         self.in_flight -= examples

@@ -43,7 +43,7 @@ class Limits:
     max_inflight_examples: int = 16384
     """Most examples the gateway holds at once (queued or being scored); a request beyond it
     is refused at once with RESOURCE_EXHAUSTED (overload is refused fast, not queued)."""
-    max_inflight_ids: int = 1 << 20
+    max_inflight_ids: int = 4 << 20
     """Most sparse ids the gateway holds at once: the work of a request grows with its ids, not
     only its examples (1,000 examples x 26 features x 64 ids = 1.66M ids; x 1 id = 26k). A
     request beyond it is refused like one beyond ``max_inflight_examples``; with nothing in
