@@ -27,13 +27,14 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from serving.gateway.config import TOKEN_FILE_ENV, TOKEN_FILE_NAME, AuthConfig, TlsConfig
+from serving.gateway.rpc import HandlerInterceptor
 
 logger = logging.getLogger("serving.gateway.auth")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -143,7 +144,7 @@ def _denier(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
     return grpc.stream_stream_rpc_method_handler(stream, des, ser)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class AuthInterceptor(HandlerInterceptor):
     """UNAUTHENTICATED for a call without a token of ``tokens`` (health open unless
     ``protect_health``). Per call: one metadata scan, one SHA-256, one compare per token."""
 
@@ -152,20 +153,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self.protect_health = protect_health
         self._deniers: dict[tuple[str, str], grpc.RpcMethodHandler] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    def apply(self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler) -> Any:
+        """``handler`` for a call with an accepted token (or to open health), else one that
+        ends it UNAUTHENTICATED (unknown methods never get here: UNIMPLEMENTED says nothing
+        secret)."""
         method = details.method
         if not self.protect_health and method.startswith(HEALTH_PREFIX):
-            return await continuation(details)
+            return handler
         token = bearer_token(details.invocation_metadata)
         if token is not None and self.tokens.accepts(token):
-            return await continuation(details)
-        handler = await continuation(details)
-        if handler is None:  # unknown method: UNIMPLEMENTED says nothing secret
-            return None
+            return handler
         why = "no bearer token" if token is None else "the bearer token is not accepted"
         key = (method, why)  # the message is part of the handler: one per method and reason
         denier = self._deniers.get(key)
@@ -220,7 +217,7 @@ def check_exposure(host: str, auth: AuthConfig) -> None:
     )
 
 
-def interceptors(auth: AuthConfig) -> list[grpc.aio.ServerInterceptor]:
+def interceptors(auth: AuthConfig) -> list[HandlerInterceptor]:
     """The auth interceptor when a token file is configured (raises AuthError if unusable)."""
     if not auth.token_file:
         return []

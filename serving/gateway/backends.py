@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,8 @@ import numpy as np
 
 from serving.gateway import metrics
 from serving.gateway.config import HedgeConfig
-from serving.gateway.hedge import Hedger
+from serving.gateway.hedge import Hedger, answered_within
+from serving.gateway.wire import prediction_of
 from serving.torchserve.client import PREDICTIONS, inference_pb2, predictions_envelope
 from serving.torchserve.keys import KeyFileError, KeySource
 from serving.worker.codec import DESCRIBE, CodecError, decode_response, encode_request
@@ -39,6 +41,9 @@ RECONNECT_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
 _UNAVAILABLE_HINTS = ("worker", "not found", "unavailable", "503", "no worker", "connect")
+# a backend's key file is looked at this often at most (a stat per call cost ~40 us under load);
+# TorchServe takes longer than this to restart with new keys, and a refused key is re-read
+KEY_RECHECK_S = 1.0
 
 
 class BackendError(Exception):
@@ -116,6 +121,18 @@ class Backend:
     """Per model version in rotation: what its workers serve (device, variant, dtype), as
     the handler describes it; asked again after the backend leaves rotation."""
 
+    key_due: float = 0.0
+    key_metadata: tuple[tuple[str, str], ...] = ()
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata with the current key (:data:`KEY_RECHECK_S`); KeyFileError if the
+        key file cannot be read."""
+        now = time.monotonic()
+        if now >= self.key_due:
+            self.key_metadata = self.keys.metadata()
+            self.key_due = now + KEY_RECHECK_S
+        return self.key_metadata
+
     @property
     def healthy(self) -> bool:
         """In rotation for at least one version."""
@@ -141,9 +158,7 @@ class BackendPool:
         for target, key_file in zip(targets, files, strict=True):
             channel = grpc.aio.insecure_channel(target, options=channel_options)
             predictions = channel.unary_unary(
-                PREDICTIONS,
-                request_serializer=None,
-                response_deserializer=inference_pb2.PredictionResponse.FromString,
+                PREDICTIONS, request_serializer=None, response_deserializer=prediction_of
             )
             self.backends.append(Backend(target, KeySource(key_file), channel, predictions))
         self.model_name = model_name
@@ -216,8 +231,10 @@ class BackendPool:
                 reply, answered = await self._first(backend, request, limit, version, tried)
                 self.hedger.observe(loop.time() - started)
                 answered.calls += 1
-                return bytes(reply.prediction), answered.target
+                return reply, answered.target
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    backend.key_due = 0.0  # TorchServe restarted: read its new key
                 code, message = map_backend_error(e, client_bound, own)
                 timed_out = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 last = BackendError(code, f"{backend.target}: {message}", retry=not timed_out)
@@ -240,24 +257,27 @@ class BackendPool:
     async def _first(
         self, backend: Backend, request: bytes, timeout: float, version: str, tried: set[int]
     ) -> tuple[Any, Backend]:
-        """``backend``'s answer, or a hedge's (:mod:`serving.gateway.hedge`): when it has not
-        answered by the recent tail and another replica in rotation (not tried, not cordoned)
-        exists and the budget allows, the call goes there too and the first answer wins. A
-        failure of one copy waits for the other; both failing raise the first copy's error."""
+        """``backend``'s answer (the prediction's bytes), or a hedge's (:mod:`.hedge`): when it
+        has not answered by the recent tail and another replica in rotation (not tried, not
+        cordoned) exists and the budget allows, the call goes there too and the first answer
+        wins. A failure of one copy waits for the other; both failing raise the first copy's
+        error. Until a hedge is sent, the call is awaited as is (no task, no ``asyncio.wait``:
+        one timer, when another replica exists)."""
         self.hedger.earn()
-        primary = asyncio.ensure_future(self._call(backend, request, timeout))
+        call = self._start(backend, request, timeout)
         delay = self.hedger.delay()
-        if delay is None or delay >= timeout:
-            return await primary, backend
-        done, _ = await asyncio.wait({primary}, timeout=delay)
+        alone = len(tried) >= len(self.backends)  # no other replica to hedge to, ever
+        if delay is None or delay >= timeout or alone or await answered_within(call, delay):
+            return await call, backend
         others = [j for j in range(len(self.backends)) if j not in tried]
         ready = [j for j in others if self._rank(self.backends[j], version) == 0]
-        if done or not ready or not self.hedger.spend():
-            return await primary, backend
+        if not ready or not self.hedger.spend():
+            return await call, backend
         backend.stalled = True  # new calls go elsewhere until it answers a probe
         other = self.backends[min(ready, key=lambda j: self.backends[j].in_flight)]
         metrics.hedged(other.target)
         other.in_flight += 1
+        primary: asyncio.Future[Any] = asyncio.ensure_future(call)
         second = asyncio.ensure_future(self._call(other, request, timeout - delay))
         copies = {primary: backend, second: other}
         try:
@@ -273,21 +293,25 @@ class BackendPool:
             for task in copies:
                 task.cancel()
 
-    async def _call(self, backend: Backend, request: bytes, timeout: float | None = None) -> Any:
-        """One ``Predictions`` call of a serialized request; ``timeout`` None = the backend
-        deadline."""
-        return await backend.predictions(
+    def _start(self, backend: Backend, request: bytes, timeout: float | None = None) -> Any:
+        """One ``Predictions`` call of a serialized request, started (the grpc call object,
+        to await); ``timeout`` None = the backend deadline."""
+        return backend.predictions(
             request,
-            metadata=backend.keys.metadata(),
+            metadata=backend.metadata(),
             timeout=self.deadline_s if timeout is None else timeout,
         )
+
+    async def _call(self, backend: Backend, request: bytes, timeout: float | None = None) -> Any:
+        """One ``Predictions`` call of a serialized request, answered."""
+        return await self._start(backend, request, timeout)
 
     async def probe(self, backend: Backend, version: str, dense: int, sparse: int) -> bool:
         """A one-example call; healthy when it answers one probability in [0, 1]."""
         try:
             body = probe_body(dense, sparse)
             reply = await self._call(backend, self.envelope(version, len(body)) + body)
-            problem = probe_problem(bytes(reply.prediction))
+            problem = probe_problem(reply)
         except (grpc.aio.AioRpcError, KeyFileError) as e:
             problem = str(e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
         if problem and problem != backend.problems.get(version):
@@ -313,7 +337,7 @@ class BackendPool:
         ).SerializeToString()
         try:
             reply = await self._call(backend, request)
-            info = json.loads(bytes(reply.prediction))
+            info = json.loads(reply)
             served = {k: str(info[k]) for k in ("device", "variant", "dtype")}
         except (grpc.aio.AioRpcError, KeyFileError, ValueError, KeyError, TypeError) as e:
             logger.warning(

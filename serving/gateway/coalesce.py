@@ -4,7 +4,7 @@ The cost of a TorchServe call is per call (Java frontend, worker socket, Python 
 per example (see docs/architecture.md), so the gateway merges what arrives while it is busy:
 
 - A call starts at once when fewer than ``slots`` backend calls are in flight: a lone request
-  never waits (no timer).
+  never waits (no timer), and goes out from its caller's own task, as is.
 - Otherwise it queues; when a backend call finishes, everything queued (up to
   ``max_examples`` examples) leaves as ONE call, in arrival order.
 - Each caller gets exactly its own scores, in order. A member whose deadline has passed before
@@ -83,7 +83,11 @@ def merge(parts: Sequence[Arrays]) -> Arrays:
 
 def split(scores: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
     """``scores f32[sum(sizes)]`` -> one array per member, in order."""
-    return np.split(scores, np.cumsum(sizes)[:-1])
+    out, start = [], 0
+    for n in sizes:
+        out.append(scores[start : start + n])
+        start += n
+    return out
 
 
 @dataclass
@@ -137,12 +141,36 @@ class Coalescer:
     async def score(self, arrays: Arrays, time_remaining: float | None) -> tuple[np.ndarray, str]:
         """This request's scores ``f32[B]`` and the backend that answered; raises what the
         backend call raised, or :class:`Expired`."""
+        if self.in_flight < self.slots and not self.queue:
+            return await self._alone(arrays, time_remaining)
         loop = asyncio.get_running_loop()
         deadline = None if time_remaining is None else loop.time() + time_remaining
         member = Member(arrays, deadline, loop.create_future())
         self.queue.append(member)
         self._dispatch()
         return await member.future
+
+    async def _alone(self, arrays: Arrays, time_remaining: float | None) -> tuple[np.ndarray, str]:
+        """A call with a free slot and no queue ahead of it: sent from the caller's own task, as
+        is (no member, future, task or merge: what a request costs when there is nothing to
+        merge it with); the calls that queue meanwhile leave when it ends."""
+        if time_remaining is not None and time_remaining <= 0:
+            raise Expired("the deadline passed while queued")
+        examples = int(arrays[0].shape[0])
+        self._count(1, examples)
+        self.in_flight += 1
+        try:
+            return await self.send(arrays, time_remaining)
+        finally:
+            self.in_flight -= 1
+            self._dispatch()
+
+    def _count(self, requests: int, examples: int) -> None:
+        logger.debug("backend call: %d requests, %d examples", requests, examples)
+        self.stats.calls += 1
+        self.stats.requests += requests
+        self.stats.largest = max(self.stats.largest, examples)
+        metrics.backend_call(requests, examples)
 
     def _dispatch(self) -> None:
         """Start backend calls while slots are free and requests wait."""
@@ -183,11 +211,7 @@ class Coalescer:
             deadlines = [m.deadline for m in batch if m.deadline is not None]
             remaining = max(deadlines) - loop.time() if len(deadlines) == len(batch) else None
             sizes = [m.examples for m in batch]
-            logger.debug("backend call: %d requests, %d examples", len(batch), sum(sizes))
-            self.stats.calls += 1
-            self.stats.requests += len(batch)
-            self.stats.largest = max(self.stats.largest, sum(sizes))
-            metrics.backend_call(len(batch), sum(sizes))
+            self._count(len(batch), sum(sizes))
             try:
                 parts = [m.arrays for m in batch]
                 if len(parts) > 1 and sum(m.nbytes for m in batch) > OFFLOAD_BYTES:

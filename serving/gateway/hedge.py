@@ -12,7 +12,9 @@ have been seen (no tail to speak of).
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
+from typing import Any
 
 from serving.gateway.config import HedgeConfig
 
@@ -56,3 +58,25 @@ class Hedger:
             return False
         self.tokens -= 1.0
         return True
+
+
+async def answered_within(call: Any, seconds: float) -> bool:
+    """Wait until grpc ``call`` is done or ``seconds`` have passed; True if it is done. The
+    call is cancelled if the waiter is."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(*_: Any) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    call.add_done_callback(wake)
+    timer = loop.call_later(seconds, wake)
+    try:
+        await waiter
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    finally:
+        timer.cancel()
+    return bool(call.done())

@@ -71,6 +71,8 @@ class GatewayMetrics:
             registry=r,
         )  # fmt: skip
         self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "calls being served", registry=r)
+        self.serving_now = 0  # what in_flight reads at scrape time (a locked gauge costs more)
+        self.in_flight.set_function(lambda: float(self.serving_now))
         self.examples = Histogram(
             f"{PREFIX}_examples_per_request", "examples in each valid Score request",
             buckets=size_buckets(max_request_examples), registry=r,
@@ -207,7 +209,7 @@ def scored(version: str, scores: Any) -> None:
             )
         children[0].inc()
         if len(scores):  # one observation per request, not per example: the hot path
-            children[1].observe(float(scores.mean()))
+            children[1].observe(float(scores.sum()) / len(scores))
 
 
 def failed(version: str, code: grpc.StatusCode) -> None:
@@ -260,9 +262,10 @@ def failover(backend: str) -> None:
 class MetricsInterceptor(WrappingInterceptor):
     """Counts unary and stream-unary calls by method and final code and times them.
 
-    Wrapped handlers are cached per handler object: per call, one dict lookup, a gauge inc/dec,
-    an observe and a counter inc on label children made once (a code's on its first call, so
-    /metrics lists the codes that happened, not every code of every method)."""
+    Wrapped handlers are cached per handler object: per call, one dict lookup, a count of calls
+    in flight (read at scrape time), an observe and a counter inc on label children made once
+    (a code's on its first call, so /metrics lists the codes that happened, not every code of
+    every method)."""
 
     def __init__(self, m: GatewayMetrics) -> None:
         super().__init__()
@@ -275,14 +278,14 @@ class MetricsInterceptor(WrappingInterceptor):
         """The handler, timed and counted (unary-unary, or stream-unary: the scoring calls
         behind the admission gate, serving/gateway/admission.py)."""
         inner = handler.unary_unary or handler.stream_unary
-        latency = self.m.latency.labels(method)
-        in_flight = self.m.in_flight
-        requests = self.m.requests
+        m = self.m
+        latency = m.latency.labels(method)
+        requests = m.requests
         by_code = {grpc.StatusCode.OK: requests.labels(method, "OK")}  # others on first use
 
         async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
             t0 = time.perf_counter()
-            in_flight.inc()
+            m.serving_now += 1
             code = grpc.StatusCode.UNKNOWN
             try:
                 response = await inner(request, context)
@@ -295,7 +298,7 @@ class MetricsInterceptor(WrappingInterceptor):
                 code = context.code() or grpc.StatusCode.UNKNOWN
                 raise
             finally:
-                in_flight.dec()
+                m.serving_now -= 1
                 latency.observe(time.perf_counter() - t0)
                 counter = by_code.get(code)
                 if counter is None:

@@ -119,7 +119,11 @@ class Plan:
         """The version a request that names none goes to: drawn by the traffic shares among
         the versions ``ready`` (a canary not ready yet takes none of the traffic), else the
         default (whose calls then fail or fail over like any call)."""
-        shares = {v: s for v, s in self.shares().items() if ready(v)}
+        shares = self.shares()
+        if len(shares) == 1:  # no traffic split: the one version, if ready
+            (only,) = shares
+            return only if ready(only) else self.default
+        shares = {v: s for v, s in shares.items() if ready(v)}
         total = sum(shares.values())
         if not shares or total <= 0:
             return self.default

@@ -68,13 +68,16 @@ def add_servicer(
 ) -> str:
     """``add(servicer, server)`` with parse errors mapped to INVALID_ARGUMENT (unary-unary
     methods; others are registered unchanged); the methods named in ``raw`` receive the
-    request's bytes and parse them themselves. Returns the service's full name."""
+    request's bytes and parse them themselves, and return the response's bytes. Returns the
+    service's full name."""
     capture = _Capture()
     add(servicer, capture)
     handlers = {}
     for name, h in capture.handlers.items():
-        if name in raw:
-            h = h._replace(request_deserializer=None)  # type: ignore[attr-defined]
+        if name in raw:  # bytes in, bytes out
+            h = h._replace(  # type: ignore[attr-defined]
+                request_deserializer=None, response_serializer=None
+            )
         elif h.unary_unary is not None and h.request_deserializer is not None:
             owner = getattr(h.request_deserializer, "__self__", None)
             message = owner.DESCRIPTOR.full_name if owner is not None else name
@@ -90,7 +93,38 @@ def add_servicer(
     return capture.service
 
 
-class WrappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class HandlerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """An interceptor that only picks the handler of a call (:meth:`apply`, synchronous), so
+    that several run as one (:class:`Chain`)."""
+
+    def apply(self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler) -> Any:
+        """The handler this interceptor makes of ``handler`` for the call ``details``."""
+        raise NotImplementedError
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        return None if handler is None else self.apply(details, handler)  # None: UNIMPLEMENTED
+
+
+class Chain(HandlerInterceptor):
+    """Several :class:`HandlerInterceptor` as one: grpc awaits a coroutine per interceptor on
+    every call, this chain looks the handler up once and passes it through each, innermost
+    first. Listed outermost first, like ``grpc.aio.server(interceptors=...)``."""
+
+    def __init__(self, *layers: HandlerInterceptor) -> None:
+        self.layers = layers[::-1]
+
+    def apply(self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler) -> Any:
+        for layer in self.layers:
+            handler = layer.apply(details, handler)
+        return handler
+
+
+class WrappingInterceptor(HandlerInterceptor):
     """An interceptor that replaces some methods' handlers by wrapped ones, each made once per
     handler object (per call: one dict lookup). Subclasses say which (:meth:`wraps`) and how
     (:meth:`wrap`)."""
@@ -104,13 +138,8 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         raise NotImplementedError
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or not self.wraps(details.method, handler):
+    def apply(self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler) -> Any:
+        if not self.wraps(details.method, handler):
             return handler
         hit = self._wrapped.get(id(handler))
         if hit is None or hit[0] is not handler:

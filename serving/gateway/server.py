@@ -34,10 +34,11 @@ from serving.gateway.backends import BackendError, BackendPool
 from serving.gateway.coalesce import Arrays, Coalescer, Expired, ScoreCountError
 from serving.gateway.config import GatewayConfig
 from serving.gateway.errors import ScoreError
+from serving.gateway.memory import keep_freed_memory
 from serving.gateway.plan import Plan, PlanError, PlanWatcher, ordered, schema_plan
-from serving.gateway.rpc import add_servicer
+from serving.gateway.rpc import Chain, add_servicer
 from serving.gateway.validate import InvalidRequest, Schema, clip
-from serving.gateway.wire import decode_score_request, peek_examples
+from serving.gateway.wire import decode_score_request, peek_examples, score_response
 from serving.stubs import kserve_pb2, ranker_pb2, ranker_pb2_grpc, reflection_pool
 from serving.torchserve.keys import KeyFileError, read_keys
 from serving.worker.codec import HEADER, CodecError, body_bytes, decode_response, encode_request
@@ -47,8 +48,10 @@ SERVICE = "recsys.v1.Ranker"
 # room for what a PredictionsRequest carries beside the body (model name, version, framing)
 ENVELOPE_BYTES = 4096
 # requests larger than this are decoded in a thread, off the event loop (health checks and
-# small requests keep flowing while a megabyte request is decoded)
+# small requests keep flowing while a megabyte request is decoded); TorchServe bodies larger
+# than ENCODE_OFFLOAD_BYTES are written there too (a smaller one is one copy, on the loop)
 OFFLOAD_BYTES = 256 * 1024
+ENCODE_OFFLOAD_BYTES = 1 << 20
 
 
 class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
@@ -109,7 +112,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         dense, values, lengths = arrays
         size = body_bytes(dense.shape[0], dense.shape[1], lengths.shape[0], values.size)
         envelope = self.pool.envelope(version, size)  # body written straight into the request
-        if values.nbytes > OFFLOAD_BYTES:  # megabytes of ids: copied off the event loop
+        if size > ENCODE_OFFLOAD_BYTES:  # megabytes of ids: copied off the event loop
             request = await asyncio.to_thread(encode_request, *arrays, envelope)
         else:
             request = encode_request(*arrays, envelope)
@@ -157,12 +160,10 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         metrics.scored(version, scores)
         return scores, backend, version
 
-    async def Score(
-        self, data: bytes, context: grpc.aio.ServicerContext
-    ) -> ranker_pb2.ScoreResponse:
-        """``recsys.v1.Ranker/Score``: the request arrives as bytes (registered raw): an
-        overload is refused before decoding, and decoding skips protobuf's per-value objects
-        (``serving.gateway.wire``)."""
+    async def Score(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """``recsys.v1.Ranker/Score``: bytes in, bytes out (registered raw): an overload is
+        refused before decoding, and neither the request nor the response goes through
+        protobuf's per-value objects (``serving.gateway.wire``)."""
         try:
             # refused before the work of decoding when num_examples alone says so
             claimed = min(peek_examples(data), self.cfg.limits.max_examples)  # more: invalid
@@ -187,11 +188,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         except ScoreError as e:
             await context.abort(e.code, e.message)
         await context.send_initial_metadata(self.pool.call_metadata(backend, version))
-        return ranker_pb2.ScoreResponse(
-            scores=scores.tolist(),
-            model_name=self.plan.model,
-            model_version=version,
-        )
+        return score_response(scores, self.plan.model, version)
 
 
 def check_limits_fit(cfg: GatewayConfig, schema: Schema) -> None:
@@ -305,11 +302,9 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     scoring = (f"/{SERVICE}/Score", f"/{kserve.SERVICE}/ModelInfer")
     admission = AdmissionInterceptor(ranker.admission, scoring)
     # metrics outermost: refused calls are counted with their code too; admission after auth:
-    # an unauthenticated caller learns nothing about the load
-    server = grpc.aio.server(
-        options=options,
-        interceptors=[metrics.MetricsInterceptor(m), *auth_interceptors(cfg.auth), admission],
-    )
+    # an unauthenticated caller learns nothing about the load. One chain: one level per call
+    layers = Chain(metrics.MetricsInterceptor(m), *auth_interceptors(cfg.auth), admission)
+    server = grpc.aio.server(options=options, interceptors=[layers])
     m.track_in_flight(lambda: ranker.in_flight)
     add_servicer(server, ranker_pb2_grpc.add_RankerServicer_to_server, ranker, raw=("Score",))
     health_servicer = health.aio.HealthServicer()
@@ -385,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, OSError, KeyError, ValueError, KeyFileError, AuthError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    keep_freed_memory()  # a request reuses the last one's memory: no page faults (memory.py)
     asyncio.run(serve(cfg))
     return 0
 

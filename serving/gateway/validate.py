@@ -84,6 +84,8 @@ def check_size(b: int, request_bytes: int | None, limits: Limits, field: str) ->
 
 def _check_lengths(lengths: np.ndarray, schema: Schema, limits: Limits) -> None:
     """``lengths[F,B]`` (schema order): no negative count, none over the per-feature limit."""
+    if not lengths.size or (lengths.min() >= 0 and lengths.max() <= limits.max_ids_per_feature):
+        return  # two reductions; the first bad count is looked for only when there is one
     bad = (lengths < 0) | (lengths > limits.max_ids_per_feature)
     if bad.any():
         k, i = (int(x[0]) for x in np.nonzero(bad))
@@ -121,21 +123,35 @@ def validate_arrays(
         raise InvalidRequest(f"lengths: shape {list(lengths.shape)}, the model takes [{f}, {b}]")
     if values.ndim != 1:
         raise InvalidRequest(f"values: shape {list(values.shape)}, the model takes [N]")
-    dense = np.ascontiguousarray(dense, dtype=np.float32)
-    bad = ~np.isfinite(dense)
-    if bad.any():
-        i, j = (int(x[0]) for x in np.nonzero(bad))
-        raise InvalidRequest(
-            f"dense[{schema.dense[j]}] of example {i} is {dense[i, j]}: values must be finite"
-        )
+    dense = _finite(dense, schema)
     _check_lengths(lengths, schema, limits)
     per_feature = lengths.sum(axis=1, dtype=np.int64)
     if int(per_feature.sum()) != values.size:
         raise InvalidRequest(
             f"lengths add up to {int(per_feature.sum())} ids but values has {values.size}"
         )
+    return _model_arrays(dense, values, lengths, schema)
+
+
+def _finite(dense: np.ndarray, schema: Schema) -> np.ndarray:
+    """``dense`` as contiguous f32, every value finite (else the first one is named)."""
+    dense = np.ascontiguousarray(dense, dtype=np.float32)
+    if not np.isfinite(dense).all():
+        i, j = (int(x[0]) for x in np.nonzero(~np.isfinite(dense)))
+        raise InvalidRequest(
+            f"dense[{schema.dense[j]}] of example {i} is {dense[i, j]}: values must be finite"
+        )
+    return dense
+
+
+def _model_arrays(
+    dense: np.ndarray, values: np.ndarray, lengths: np.ndarray, schema: Schema
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Checked ``dense`` and ``lengths`` (adding up to ``values.size``) -> the model's arrays,
+    once no id is negative (else the first one is named)."""
     values = np.ascontiguousarray(values, dtype=np.int64)
-    if (values < 0).any():
+    if values.size and values.min() < 0:
+        per_feature = lengths.sum(axis=1, dtype=np.int64)
         pos = int(np.argmax(values < 0))
         k = int(np.searchsorted(np.cumsum(per_feature), pos, side="right"))
         within = pos - int(per_feature[:k].sum())
@@ -209,8 +225,8 @@ def validate_columns(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A request's :class:`Columns` -> the model's arrays in schema order.
 
-    Checks the request's own structure (counts, feature names) here, then the values with
-    :func:`validate_arrays`, like every other API."""
+    Checks the request's own structure (counts, feature names) here, then the values as
+    :func:`validate_arrays` does for every other API (the same checks and messages, each once)."""
     b = c.examples
     check_size(b, request_bytes, limits, "num_examples")
     d = len(schema.dense)
@@ -219,25 +235,19 @@ def validate_columns(
             f"dense: {c.dense.size} values, but {b} examples x {d} features need {b * d}"
         )
     dense = c.dense.reshape(b, d)
-    index = {name: k for k, name in enumerate(schema.sparse)}
-    order: list[int] = []  # schema position of each feature, in request order
-    for name, entries in zip(c.names, c.entries.tolist(), strict=True):
-        k = index.get(name)
-        if k is None:
-            raise InvalidRequest(
-                f"sparse: unknown feature {clip(name)} (the model takes {', '.join(schema.sparse)})"
-            )
-        if k in order:
-            raise InvalidRequest(f"sparse: feature '{name}' appears twice")
-        if entries != b:
-            raise InvalidRequest(f"sparse[{name}].lengths: {entries} entries for {b} examples")
-        order.append(k)
+    f = len(schema.sparse)
+    if c.names == list(schema.sparse) and (c.entries == b).all():  # as clients send them
+        order = list(range(f))
+        lengths = c.lengths.reshape(f, b)
+        given = lengths
+    else:
+        order = _feature_order(c, schema, b)
+        lengths = np.zeros((f, b), dtype=np.int64)  # int32 once checked
+        if not order:
+            return validate_arrays(dense, np.empty(0, dtype=np.int64), lengths, schema, limits)
+        given = c.lengths.reshape(len(order), b)
+        lengths[order] = given
     # values: one vectorized pass over all features; the slow path only names what is wrong
-    lengths = np.zeros((len(schema.sparse), b), dtype=np.int64)  # int32 once checked
-    if not order:
-        return validate_arrays(dense, np.empty(0, dtype=np.int64), lengths, schema, limits)
-    given = c.lengths.reshape(len(order), b)
-    lengths[order] = given
     _check_lengths(lengths, schema, limits)  # before the sums: a bad count is named as such
     sums = given.sum(axis=1)
     counts = c.ids_per_feature
@@ -250,8 +260,31 @@ def validate_columns(
     ids_all = c.ids
     if order != sorted(order):  # features out of schema order: regroup the ids
         per_feature = np.split(ids_all, np.cumsum(counts)[:-1])
-        ids_of = [np.empty(0, dtype=np.int64)] * len(schema.sparse)
+        ids_of = [np.empty(0, dtype=np.int64)] * f
         for k, ids in zip(order, per_feature, strict=True):
             ids_of[k] = ids
         ids_all = np.concatenate(ids_of)
-    return validate_arrays(dense, ids_all, lengths, schema, limits)
+    # what validate_arrays checks beyond the above (they add up: ids_all.size = sum of counts)
+    return _model_arrays(_finite(dense, schema), ids_all, lengths, schema)
+
+
+def _feature_order(c: Columns, schema: Schema, b: int) -> list[int]:
+    """The schema position of each of the request's features, in request order; raises
+    :class:`InvalidRequest` at the first unknown or repeated name, or count of lengths that
+    is not one per example."""
+    index = {name: k for k, name in enumerate(schema.sparse)}
+    order: list[int] = []
+    seen: set[int] = set()
+    for name, entries in zip(c.names, c.entries.tolist(), strict=True):
+        k = index.get(name)
+        if k is None:
+            raise InvalidRequest(
+                f"sparse: unknown feature {clip(name)} (the model takes {', '.join(schema.sparse)})"
+            )
+        if k in seen:
+            raise InvalidRequest(f"sparse: feature '{name}' appears twice")
+        if entries != b:
+            raise InvalidRequest(f"sparse[{name}].lengths: {entries} entries for {b} examples")
+        order.append(k)
+        seen.add(k)
+    return order

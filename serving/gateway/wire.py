@@ -4,7 +4,9 @@ protobuf's Python message hands repeated fields out one Python object per elemen
 of 1,000 examples x 64 ids x 26 features is 1.7 million ints); this module reads the canonical
 encoding directly: the packed ``dense`` floats are one ``np.frombuffer``, and the packed varints
 of every feature's ``ids`` and ``lengths`` are gathered into one byte array each and decoded in
-one vectorized pass (:func:`varints`). Python only walks the ~30 fields of the message.
+one vectorized pass (``serving.gateway.varint``). Python only walks the ~30 fields of the
+message; a small request as clients send it is checked and decoded in one more Python pass
+(:func:`_small`) and a handful of numpy calls.
 
 Anything but the canonical encoding that protobuf writers emit (unpacked repeated fields, unknown
 fields, fields split in several pieces, a truncated or malformed buffer) returns ``None``, and
@@ -16,6 +18,10 @@ Work is bounded by the schema before any loop can run long: more ``sparse`` entr
 model has features is INVALID_ARGUMENT the moment the one too many is seen (a 4 MB request of
 two million empty features once cost 4.6 s of CPU here), on the fast path and before protobuf's
 objects are walked on the slow one. Shapes: ``B`` examples, ``D`` dense, ``F`` sparse features, ``N`` ids.
+
+The other messages of a call skip protobuf's objects too: :func:`score_response` writes the
+``ScoreResponse`` bytes, :func:`prediction_of` slices TorchServe's answer out of its
+``PredictionResponse``.
 """
 
 from __future__ import annotations
@@ -32,48 +38,18 @@ from serving.gateway.validate import (
     columns,
     validate_columns,
 )
+from serving.gateway.varint import SMALL_BYTES, decode_fields, read_varint
 from serving.stubs import ranker_pb2
+from serving.torchserve.client import inference_pb2
 from serving.worker.codec import Arrays
 
 # tags: (field number << 3) | wire type (0 = varint, 2 = length-delimited)
 NUM_EXAMPLES, DENSE, SPARSE, MODEL_VERSION = 0x08, 0x12, 0x1A, 0x22
 NAME, IDS, LENGTHS = 0x0A, 0x12, 0x1A
+_FEATURE_TAGS = (NAME, IDS, LENGTHS)  # in field order, as protobuf writes them
 
 Parsed = tuple[int, np.ndarray, list[tuple[str, bytes | memoryview, bytes | memoryview]], str]
-
-
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    """One varint at ``pos`` -> (value, next position); IndexError/ValueError if malformed."""
-    value = shift = 0
-    while True:
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint longer than 10 bytes")
-
-
-def varints(data: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Packed varints ``u8[n]`` -> (values as u64 two's complement, index of each one's last
-    byte); None when the bytes do not end on a complete varint or one is over 10 bytes."""
-    if data.size == 0:
-        return np.zeros(0, np.uint64), np.zeros(0, np.int64)
-    last = np.flatnonzero(data < 0x80)
-    if last.size == 0 or last[-1] != data.size - 1:
-        return None
-    starts = np.empty_like(last)
-    starts[0] = 0
-    starts[1:] = last[:-1] + 1
-    sizes = last - starts + 1
-    if int(sizes.max()) > 10:
-        return None
-    if int(sizes.max()) == 1:  # every value < 128: the common case for lengths
-        return data.astype(np.uint64), last
-    shift = (np.arange(data.size) - np.repeat(starts, sizes)).astype(np.uint64) * np.uint64(7)
-    return np.add.reduceat((data & 0x7F).astype(np.uint64) << shift, starts), last
+_EMPTY = memoryview(b"")
 
 
 def parse(buf: bytes, max_features: int | None = None) -> Parsed | None:
@@ -96,12 +72,12 @@ def _bound_fields(buf: bytes, max_features: int, max_fields: int) -> None:
     pos, end, fields, sparse = 0, len(buf), 0, 0
     try:
         while pos < end:
-            tag, pos = _varint(buf, pos)
+            tag, pos = read_varint(buf, pos)
             kind = tag & 7
             if kind == 0:
-                pos = _varint(buf, pos)[1]
+                pos = read_varint(buf, pos)[1]
             elif kind == 2:
-                n, pos = _varint(buf, pos)
+                n, pos = read_varint(buf, pos)
                 pos += n
             elif kind in (1, 5):
                 pos += 8 if kind == 1 else 4
@@ -128,55 +104,65 @@ def _parse(buf: bytes, max_features: int | None) -> Parsed | None:
     dense = np.zeros(0, np.float32)
     features: list[tuple[str, bytes | memoryview, bytes | memoryview]] = []
     seen_dense = seen_b = seen_version = False
+    most = None if max_features is None else max_features + 1  # one more: validation names it
     while pos < end:
         tag = buf[pos]
-        pos += 1
         if tag == NUM_EXAMPLES and not seen_b:
-            b, pos = _varint(buf, pos)
+            b, pos = read_varint(buf, pos + 1)
             seen_b = True
             if b >= 1 << 32:
                 return None
             continue
-        n, pos = _varint(buf, pos)
-        if pos + n > end or tag not in (DENSE, SPARSE, MODEL_VERSION):
+        n = buf[pos + 1]  # the field's length: one byte, two (a feature of up to 16 KB), more
+        if n < 0x80:
+            pos += 2
+        elif buf[pos + 2] < 0x80:
+            n, pos = n & 0x7F | buf[pos + 2] << 7, pos + 3
+        else:
+            n, pos = read_varint(buf, pos + 1)
+        stop = pos + n
+        if stop > end:
             return None
-        if tag == DENSE and not seen_dense and n % 4 == 0:
-            dense = np.frombuffer(view[pos : pos + n], dtype="<f4")
-            seen_dense = True
-        elif tag == SPARSE:
-            check_feature_count(len(features) + 1, max_features)
-            feature = _feature(buf, pos, pos + n, view)
+        if tag == SPARSE:
+            if most is not None and len(features) >= most:
+                check_feature_count(len(features) + 1, max_features)
+            feature = _feature(buf, pos, stop, view)
             if feature is None:
                 return None
             features.append(feature)
+        elif tag == DENSE and not seen_dense and n % 4 == 0:
+            dense = np.frombuffer(view[pos:stop], dtype="<f4")
+            seen_dense = True
         elif tag == MODEL_VERSION and not seen_version:
-            version = bytes(view[pos : pos + n]).decode("utf-8")
+            version = str(view[pos:stop], "utf-8")
             seen_version = True
         else:
             return None
-        pos += n
+        pos = stop
     return b, dense, features, version
 
 
 def _feature(
     buf: bytes, pos: int, end: int, view: memoryview
 ) -> tuple[str, bytes | memoryview, bytes | memoryview] | None:
-    """One SparseFeature: its name and the packed bytes of its ids and lengths, each field
-    at most once (anything else: None)."""
-    fields: dict[int, memoryview] = {}
-    while pos < end:
-        tag = buf[pos]
-        n = buf[pos + 1]
-        pos += 2
-        if n >= 0x80:  # a field over 127 bytes: a longer length prefix
-            n, pos = _varint(buf, pos - 1)
-        if tag in fields or pos + n > end or tag not in (NAME, IDS, LENGTHS):
-            return None
-        fields[tag] = view[pos : pos + n]
-        pos += n
-    name = bytes(fields[NAME]).decode("utf-8") if NAME in fields else ""
-    empty = view[0:0]
-    return name, fields.get(IDS, empty), fields.get(LENGTHS, empty)
+    """One SparseFeature: its name and the packed bytes of its ids and lengths, in field
+    order, each at most once (as protobuf writes them; anything else: None)."""
+    found = [_EMPTY, _EMPTY, _EMPTY]  # name, ids, lengths
+    for k, tag in enumerate(_FEATURE_TAGS):
+        if pos < end and buf[pos] == tag:
+            n = buf[pos + 1]
+            pos += 2
+            if n >= 0x80:  # over 127 bytes: two bytes of length up to 16 KB, else the general case
+                if buf[pos] < 0x80:
+                    n = n & 0x7F | buf[pos] << 7
+                    pos += 1
+                else:
+                    n, pos = read_varint(buf, pos - 1)
+            if pos + n > end:
+                return None
+            found[k] = view[pos : pos + n]
+            pos += n
+    return (str(found[0], "utf-8"), found[1], found[2]) if pos == end else None
 
 
 def decode_score_request(buf: bytes, schema: Schema, limits: Limits) -> tuple[Arrays, str]:
@@ -188,6 +174,8 @@ def decode_score_request(buf: bytes, schema: Schema, limits: Limits) -> tuple[Ar
         )
     features = len(schema.sparse)
     parsed = parse(buf, features)
+    if parsed is not None and (small := _small(parsed, schema, limits)) is not None:
+        return small, parsed[3]
     cols = None if parsed is None else _columns(parsed)
     if parsed is None or cols is None:  # not the canonical encoding: protobuf decides
         # num_examples, model_version, every feature, and every dense value in its own field
@@ -202,11 +190,50 @@ def decode_score_request(buf: bytes, schema: Schema, limits: Limits) -> tuple[Ar
     return validate_columns(cols, schema, limits), parsed[3]
 
 
+def _small(parsed: Parsed, schema: Schema, limits: Limits) -> Arrays | None:
+    """The model's arrays of a small valid request sent as clients send them (every feature,
+    in schema order, one-byte lengths), checked and decoded in one Python pass with a handful of
+    numpy calls; None for anything else, valid or not (the general path then decides and names
+    what is wrong: this one never refuses). Same arrays as the general path."""
+    b, dense, features, _ = parsed
+    d, f = len(schema.dense), len(schema.sparse)
+    if not 1 <= b <= limits.max_examples or dense.size != b * d or len(features) != f:
+        return None
+    if sum(len(x[1]) for x in features) > SMALL_BYTES:
+        return None
+    ids: list[int] = []
+    lengths = []
+    for (name, id_bytes, length_bytes), expected in zip(features, schema.sparse, strict=True):
+        if name != expected or len(length_bytes) != b:
+            return None
+        before = len(ids)
+        value = shift = 0
+        for byte in id_bytes:
+            value |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                ids.append(value)
+                value = shift = 0
+            elif shift == 63:
+                return None
+            else:
+                shift += 7
+        if shift or sum(length_bytes) != len(ids) - before:  # a cut varint; counts that differ
+            return None
+        lengths.append(length_bytes)
+    raw = b"".join(lengths)
+    if not raw.isascii() or (raw and max(raw) > limits.max_ids_per_feature):
+        return None  # a length of several bytes (negative, or over the limit)
+    if (ids and max(ids) >= 1 << 63) or not np.isfinite(dense).all():  # a negative id
+        return None
+    lengths_i32 = np.frombuffer(raw, np.uint8).astype(np.int32).reshape(f, b)
+    return dense.reshape(b, d), np.array(ids, np.int64), lengths_i32
+
+
 def peek_examples(buf: bytes) -> int:
     """num_examples when it is the first field (as protobuf writers put it), else 0: enough
     to refuse an overload before decoding the request."""
     try:
-        return _varint(buf, 1)[0] if buf[:1] == b"\x08" else 0
+        return read_varint(buf, 1)[0] if buf[:1] == b"\x08" else 0
     except (IndexError, ValueError):
         return 0
 
@@ -220,37 +247,54 @@ def columns_from_bytes(buf: bytes) -> Columns | None:
 
 def _columns(parsed: Parsed) -> Columns | None:
     b, dense, features, _ = parsed
-    f = len(features)
-    # every feature's ids, then every feature's lengths: one vectorized decode for both (each
-    # numpy call costs microseconds: for small requests the count of calls is the cost)
-    decoded = _decode_fields([x[1] for x in features] + [x[2] for x in features])
-    if decoded is None:
+    ids = decode_fields([x[1] for x in features])
+    lengths = decode_fields([x[2] for x in features])  # one byte each, as a rule: no decoding
+    if ids is None or lengths is None:
         return None
-    values, per_field = decoded
-    n_ids = int(per_field[:f].sum())
-    signed = values.view(np.int64)
     return Columns(
         examples=b,
         dense=dense,
         names=[x[0] for x in features],
-        ids=signed[:n_ids],
-        ids_per_feature=per_field[:f],
-        lengths=signed[n_ids:],
-        entries=per_field[f:],
+        ids=ids[0],
+        ids_per_feature=ids[1],
+        lengths=lengths[0],
+        entries=lengths[1],
     )
 
 
-def _decode_fields(fields: list[bytes | memoryview]) -> tuple[np.ndarray, np.ndarray] | None:
-    """Several packed-varint fields, decoded in one pass -> (values u64, values per field);
-    None when a field does not end on a complete varint."""
-    sizes = np.fromiter((len(f) for f in fields), np.int64, len(fields))
-    data = np.frombuffer(b"".join(fields), np.uint8)
-    ends = np.cumsum(sizes)
-    if sizes.any() and (data[ends[sizes > 0] - 1] >= 0x80).any():
-        return None  # a field's last byte continues a varint: malformed on its own
-    decoded = varints(data)
-    if decoded is None:
-        return None
-    values, last = decoded
-    per_field = np.diff(np.searchsorted(last, ends - 1, side="right"), prepend=0)
-    return values, per_field
+def score_response(scores: np.ndarray, model_name: str, model_version: str) -> bytes:
+    """A ``ScoreResponse``'s bytes, exactly as protobuf serializes it (fields in order, the
+    scores packed, empty fields left out), without its message object or a Python float per
+    score."""
+    fields = (
+        (0x0A, np.ascontiguousarray(scores, dtype="<f4").tobytes()),
+        (0x12, model_name.encode("utf-8")),
+        (0x1A, model_version.encode("utf-8")),
+    )
+    out: list[bytes | bytearray] = []
+    for tag, data in fields:
+        if data:
+            n, head = len(data), bytearray((tag,))
+            while n >= 0x80:
+                head.append(n & 0x7F | 0x80)
+                n >>= 7
+            head.append(n)
+            out += (head, data)
+    return b"".join(out)
+
+
+def prediction_of(reply: bytes) -> bytes:
+    """The ``prediction`` of a serialized ``PredictionResponse``: sliced from the bytes when it
+    is their only field (TorchServe's answers), else read by protobuf."""
+    if reply[:1] == b"\x0a":
+        n, shift, pos = 0, 0, 1
+        while pos < len(reply) and pos < 11:
+            byte = reply[pos]
+            n |= (byte & 0x7F) << shift
+            pos += 1
+            if byte < 0x80:
+                if pos + n == len(reply):
+                    return reply[pos:]
+                break
+            shift += 7
+    return bytes(inference_pb2.PredictionResponse.FromString(reply).prediction)

@@ -13,15 +13,20 @@ import time
 import numpy as np
 import pytest
 
+from serving.gateway import varint
 from serving.gateway.validate import InvalidRequest, Limits, Schema, columns, validate
+from serving.gateway.varint import read_varint, varints
 from serving.gateway.wire import (
-    _varint,
+    _small,
     columns_from_bytes,
     decode_score_request,
+    parse,
     peek_examples,
-    varints,
+    prediction_of,
+    score_response,
 )
 from serving.stubs import ranker_pb2
+from serving.torchserve.client import inference_pb2
 
 SCHEMA = Schema(
     "m", "1", tuple(f"I{i}" for i in range(1, 14)), tuple(f"C{i}" for i in range(1, 27))
@@ -58,7 +63,7 @@ def test_varints_match_python() -> None:
     values += rng.integers(-(1 << 62), 1 << 62, size=200).tolist()
     msg = ranker_pb2.SparseFeature(ids=values)
     data = msg.SerializeToString()
-    size, start = _varint(data, 1)  # after the tag: the field's length, then its varints
+    size, start = read_varint(data, 1)  # after the tag: the field's length, then its varints
     packed = data[start : start + size]
     got = varints(np.frombuffer(packed, np.uint8))
     assert got is not None
@@ -121,6 +126,133 @@ def test_any_bytes_are_decoded_or_refused_like_protobuf(seed: int) -> None:
             assert ref[1] == ours[1]
             for a, b in zip(ref[0], ours[0], strict=True):
                 assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def _varint_bytes(value: int, size: int = 0) -> bytes:
+    """``value`` (u64) as a varint of at least ``size`` bytes (longer than needed: overlong,
+    still valid protobuf)."""
+    out = bytearray()
+    while value >= 0x80 or len(out) + 1 < size:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _field(tag: int, data: bytes) -> bytes:
+    return bytes([tag]) + _varint_bytes(len(data)) + data
+
+
+def client_request(rng: np.random.Generator) -> bytes:
+    """A request as clients send it (every feature, schema order, 1-6 examples), valid or
+    with one thing wrong: a NaN, a negative, long or overlong id, a length over the limit or of
+    two bytes, lengths that do not add up, a varint cut at the field's end, an 11-byte one."""
+    b = int(rng.integers(1, 7))
+    flaw = int(rng.integers(0, 20))  # 0-9: one flaw of those below; 10+: valid
+    dense = rng.normal(size=b * 13).astype(np.float32)
+    if flaw == 0:
+        dense[int(rng.integers(0, dense.size))] = np.inf if rng.random() < 0.5 else np.nan
+    features = b""
+    for k, name in enumerate(SCHEMA.sparse):
+        lengths = rng.integers(0, 3, size=b).tolist()
+        bits = rng.integers(1, 64, size=sum(lengths))
+        ids = [int(rng.integers(0, 1 << int(x))) for x in bits]
+        id_bytes = [_varint_bytes(i) for i in ids]
+        flawed = k == 7
+        if flawed and ids and flaw == 1:
+            id_bytes[0] = _varint_bytes((1 << 64) - int(rng.integers(1, 1 << 40)))  # negative
+        elif flawed and ids and flaw == 2:
+            id_bytes[0] = _varint_bytes(ids[0], 10)  # overlong: the same id
+        elif flawed and ids and flaw == 3:
+            id_bytes[0] = b"\xff" * 9 + bytes([int(rng.integers(2, 128))])  # bits over 64
+        elif flawed and flaw == 4:
+            lengths[0] = LIMITS.max_ids_per_feature + 1
+        elif flawed and flaw == 5:
+            lengths[0] = 200  # two bytes
+        elif flawed and flaw == 6:
+            lengths[0] += 1  # adds up to one more id than there are
+        elif flawed and flaw == 7:
+            id_bytes.append(b"\x81")  # cut
+        elif flawed and flaw == 8:
+            id_bytes.append(b"\x80" * 10 + b"\x01")  # 11 bytes
+        elif flawed and flaw == 9:
+            lengths = lengths[:-1]  # one entry short
+        body = _field(0x0A, name.encode()) if name else b""
+        if id_bytes:
+            body += _field(0x12, b"".join(id_bytes))
+        if lengths:
+            body += _field(0x1A, b"".join(_varint_bytes(n) for n in lengths))
+        features += _field(0x1A, body)
+    return b"\x08" + _varint_bytes(b) + _field(0x12, dense.tobytes()) + features
+
+
+def test_requests_as_clients_send_them_decode_like_protobuf() -> None:
+    """The small-request path (one Python pass) and the general one give protobuf's arrays,
+    or its refusal: every flaw falls through to the general path, which names it."""
+    rng = np.random.default_rng(7)
+    small = 0
+    for _ in range(800):
+        data = client_request(rng)
+        ref, ours = _reference(data), _ours(data)
+        parsed = parse(data, len(SCHEMA.sparse))
+        assert parsed is not None  # canonical
+        fast = _small(parsed, SCHEMA, LIMITS)
+        if isinstance(ref, str) or isinstance(ours, str):
+            assert ref == ours and fast is None, (data[:60], ref, ours)
+            continue
+        assert ref[1] == ours[1]
+        for a, b in zip(ref[0], ours[0], strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+        if fast is not None:
+            small += 1
+            for a, b in zip(ref[0], fast, strict=True):
+                assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    assert small > 200  # the valid small requests took the one-pass path
+
+
+def test_small_and_vectorized_varint_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_fields below and above SMALL_BYTES: the same values, counts and refusals."""
+    rng = np.random.default_rng(3)
+    for _ in range(400):
+        fields: list[bytes] = []
+        for _ in range(int(rng.integers(1, 6))):
+            n = int(rng.integers(0, 12))
+            values = [int(rng.integers(0, 1 << int(rng.integers(1, 64)))) for _ in range(n)]
+            raw = b"".join(_varint_bytes(v, int(rng.integers(0, 11))) for v in values)
+            if rng.random() < 0.1 and raw:  # cut, or made 11 bytes long
+                raw = raw[:-1] if rng.random() < 0.5 else b"\x80" * 10 + raw
+            fields.append(raw)
+        got = []
+        for threshold in (1 << 20, 0):  # byte by byte in Python; vectorized
+            monkeypatch.setattr(varint, "SMALL_BYTES", threshold)
+            got.append(varint.decode_fields(fields))
+        small, packed = got
+        if small is None or packed is None:
+            assert small is None and packed is None, fields
+            continue
+        assert np.array_equal(small[0], packed[0]) and np.array_equal(small[1], packed[1])
+
+
+def test_the_response_bytes_are_protobufs_own() -> None:
+    rng = np.random.default_rng(5)
+    for n, name, version in (
+        (0, "", ""),
+        (1, "m", "1"),
+        (33, "bench", "ü-2"),
+        (1000, "x" * 200, ""),
+    ):
+        scores = rng.random(n).astype(np.float32)
+        ref = ranker_pb2.ScoreResponse(
+            scores=scores.tolist(), model_name=name, model_version=version
+        )
+        assert score_response(scores, name, version) == ref.SerializeToString()
+
+
+def test_the_prediction_is_read_like_protobuf_does() -> None:
+    for prediction, sequence_id in ((b"", None), (b"\x00" * 4, None), (b"x" * 300, None),
+                                    (b"abcd", "s-1")):  # fmt: skip
+        reply = inference_pb2.PredictionResponse(prediction=prediction, sequence_id=sequence_id)
+        assert prediction_of(reply.SerializeToString()) == prediction
 
 
 def test_unpacked_fields_take_protobuf_path() -> None:
