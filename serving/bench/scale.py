@@ -53,6 +53,7 @@ from serving.stubs import ranker_pb2_grpc
 from serving.tools.client import build_request, gateway_status
 from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig, on_free_ports
+from serving.worker.mapped import drop_cached
 
 KAGGLE_TOTAL = sum(KAGGLE_ROWS)
 CGROUP = Path("/sys/fs/cgroup/memory")
@@ -207,12 +208,7 @@ def confined(workers: Sequence[int], limit: int) -> Iterator[Path]:
     group = CGROUP / f"recsys-scale-{os.getpid()}"
     group.mkdir(exist_ok=True)
     (group / "memory.limit_in_bytes").write_text(str(limit))
-    path = _tables_file(workers[0])
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # pages no worker maps now
-    finally:
-        os.close(fd)
+    drop_cached(_tables_file(workers[0]))  # the pages no worker maps now
     for pid in workers:
         (group / "cgroup.procs").write_text(str(pid))
     try:

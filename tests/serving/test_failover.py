@@ -6,13 +6,15 @@ succeed with the export's own scores; the traffic must move to the survivor and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,11 +91,24 @@ class Load:
         raise AssertionError(f"{what}: not seen within {timeout} s: {self.window(t0)}")
 
 
-def two_replicas(
-    exported: tuple[Path, Path, str], tmp_path: Path
-) -> tuple[dict[str, Any], dict[str, subprocess.Popen[bytes]], Any, str, Any, np.ndarray]:
-    """Replicas a and b of the tiny model behind one gateway: (configs, processes, gateway,
-    its target, the request of the sample's first ROWS rows, their scores)."""
+@dataclass
+class Replicas:
+    """Two replicas of the tiny model behind one gateway, under :class:`Load`."""
+
+    cfgs: dict[str, Any]
+    procs: dict[str, subprocess.Popen[bytes]]
+    load: Load
+    ta: str
+    tb: str
+    t_both: float = 0.0
+    """When both replicas were seen answering."""
+
+
+@contextlib.contextmanager
+def two_replicas_under_load(exported: tuple[Path, Path, str], tmp_path: Path) -> Iterator[Replicas]:
+    """Replicas a and b behind one gateway (deadline DEADLINE_S), the load running on the
+    sample's first ROWS rows once both answer; after the block the load, the gateway and both
+    replicas (resumed if paused) are stopped."""
     export, store, _ = exported
     cfgs = {k: torchserve_config(store, tmp_path / k) for k in ("a", "b")}
     procs = {k: start_torchserve(c) for k, c in cfgs.items()}
@@ -103,34 +118,16 @@ def two_replicas(
     )  # fmt: skip
     s = np.load(export / "sample.npz")
     request = build_request(s["dense"][:ROWS], to_rows(s["values"], s["lengths"])[:ROWS])
-    return cfgs, procs, gateway, target, request, s["probs_int8"][:ROWS]
-
-
-def test_stopping_a_replica_fails_nothing_after_one_deadline(
-    exported: tuple[Path, Path, str], tmp_path: Path
-) -> None:
-    cfgs, procs, gateway, target, request, expected = two_replicas(exported, tmp_path)
-    a = cfgs["a"]
-    ta, tb = a.grpc_inference_target, cfgs["b"].grpc_inference_target
+    ta, tb = cfgs["a"].grpc_inference_target, cfgs["b"].grpc_inference_target
     with grpc.insecure_channel(target) as channel:
-        load = Load(ranker_pb2_grpc.RankerStub(channel), request, expected)
+        load = Load(ranker_pb2_grpc.RankerStub(channel), request, s["probs_int8"][:ROWS])
+        r = Replicas(cfgs, procs, load, ta, tb)
         try:
             wait_status(target, "SERVING", 60)
             for t in load.threads:
                 t.start()
-            t_both = load.wait("both replicas answering", lambda c: bool(c[ta] and c[tb]))
-            t_stop = time.monotonic()
-            process.stop(procs["a"], timeout=10)
-            t_gone = time.monotonic()  # (a draining replica may still answer until here)
-            # the survivor alone carries the traffic for a while (at least 20 calls)
-            load.wait("b alone", lambda c: c[tb] >= 20 and not c[ta])
-            t_restart = time.monotonic()
-            procs["a"] = start_torchserve(a)  # new keys: the gateway must re-read them
-            # back in rotation after a probe (every 1 s) once the channel reconnects (backoff
-            # capped at 1 s); a loaded CI machine may need some slack
-            t_back = load.wait("a back in rotation", lambda c: bool(c[ta] and c[tb]))
-            time.sleep(2)
-            t_end = time.monotonic()
+            r.t_both = load.wait("both replicas answering", lambda c: bool(c[ta] and c[tb]))
+            yield r
         finally:
             load.stop.set()
             for t in load.threads:
@@ -138,7 +135,29 @@ def test_stopping_a_replica_fails_nothing_after_one_deadline(
                     t.join()
             stop_gateway(gateway)
             for p in procs.values():
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGCONT)
                 process.stop(p)
+
+
+def test_stopping_a_replica_fails_nothing_after_one_deadline(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    with two_replicas_under_load(exported, tmp_path) as r:
+        load, procs, a, ta, tb = r.load, r.procs, r.cfgs["a"], r.ta, r.tb
+        t_both = r.t_both
+        t_stop = time.monotonic()
+        process.stop(procs["a"], timeout=10)
+        t_gone = time.monotonic()  # (a draining replica may still answer until here)
+        # the survivor alone carries the traffic for a while (at least 20 calls)
+        load.wait("b alone", lambda c: c[tb] >= 20 and not c[ta])
+        t_restart = time.monotonic()
+        procs["a"] = start_torchserve(a)  # new keys: the gateway must re-read them
+        # back in rotation after a probe (every 1 s) once the channel reconnects (backoff
+        # capped at 1 s); a loaded CI machine may need some slack
+        t_back = load.wait("a back in rotation", lambda c: bool(c[ta] and c[tb]))
+        time.sleep(2)
+        t_end = time.monotonic()
     print(
         f"a stopped for {t_restart - t_stop:.1f} s, back {t_back - t_restart:.1f} s after restart"
     )
@@ -161,33 +180,15 @@ def test_a_paused_replica_costs_its_callers_a_hedge_not_a_deadline(
     """SIGSTOP one replica (java and its workers) under load: the calls it holds are hedged to
     the other after the recent tail, so none fails and none waits for the deadline; after
     SIGCONT it serves again (issue 20, hedged calls)."""
-    cfgs, procs, gateway, target, request, expected = two_replicas(exported, tmp_path)
-    a = cfgs["a"]
-    ta, tb = a.grpc_inference_target, cfgs["b"].grpc_inference_target
-    with grpc.insecure_channel(target) as channel:
-        load = Load(ranker_pb2_grpc.RankerStub(channel), request, expected)
-        try:
-            wait_status(target, "SERVING", 60)
-            for t in load.threads:
-                t.start()
-            load.wait("both replicas answering", lambda c: bool(c[ta] and c[tb]))
-            time.sleep(1)  # more answered calls: the tail the hedges wait for
-            t_pause = time.monotonic()
-            os.killpg(procs["a"].pid, signal.SIGSTOP)
-            time.sleep(3)
-            os.killpg(procs["a"].pid, signal.SIGCONT)
-            t_resume = time.monotonic()
-            load.wait("a back in rotation", lambda c: bool(c[ta] and c[tb]), timeout=60)
-        finally:
-            load.stop.set()
-            for t in load.threads:
-                if t.is_alive():
-                    t.join()
-            stop_gateway(gateway)
-            for p in procs.values():
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGCONT)
-                process.stop(p)
+    with two_replicas_under_load(exported, tmp_path) as r:
+        load, procs, ta, tb = r.load, r.procs, r.ta, r.tb
+        time.sleep(1)  # more answered calls: the tail the hedges wait for
+        t_pause = time.monotonic()
+        os.killpg(procs["a"].pid, signal.SIGSTOP)
+        time.sleep(3)
+        os.killpg(procs["a"].pid, signal.SIGCONT)
+        t_resume = time.monotonic()
+        load.wait("a back in rotation", lambda c: bool(c[ta] and c[tb]), timeout=60)
     outcomes, _ = load.window(t_pause - 0.5, t_resume)
     slowest = max(d for t0, d in load.seconds if t_pause - 0.5 <= t0 < t_resume)
     hedges = (tmp_path / "gateway.log").read_text()

@@ -10,7 +10,6 @@ it is loaded, else the streamed fp32 tables (the checkpoint's weights, unchanged
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from serving.worker.mapped import sha256
 from training.export.portable import PORTABLE, load_variant, portable_scorer, save_portable
 from training.export.scorer import eager_scorer, load_dlrm, raw_inputs, script_variant
 from training.export.stream import MAPPED_FORMATS, load_formats, write_mapped
@@ -79,14 +79,6 @@ def build(
         v.files.update(portable)
         v.models.update({n: load_variant(p, PORTABLE[n][1]) for n, p in portable.items()})
     return v
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def info(variant: str, path: Path) -> dict[str, Any]:
