@@ -18,6 +18,11 @@ and N worker processes that generate the load, all on loopback (master port chos
 Python process tops out at about one core, so use this when the generator is the bottleneck
 (``python -m loadtest.calibrate`` measures its ceiling; ``--calibrate`` here runs it first and
 adds ``generator_ceiling_rps`` and ``bottleneck`` to summary.json).
+
+SIGINT or SIGTERM ends the load early and cleanly: Locust stops and writes its report,
+summary.json says ``stopped_by`` (and ``started_at``/``ended_at`` as always), the exit code is
+what the run's own would be; a step load ends with the step it was in. So a load can span
+exactly another command: ``make loadtest DURATION=2h & load=$!; <command>; kill $load``.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from typing import Any
 from loadtest import report
 from loadtest.calibrate import ceiling_run
 from loadtest.config import ROOT, SHORT_FLAGS, LoadConfig, default_data
-from loadtest.locust_runner import run_locust
+from loadtest.locust_runner import run_locust, stop_on_signals, stop_requested
 from recsys_stack import config as rc
 
 log = logging.getLogger("loadtest")
@@ -103,8 +108,10 @@ def step_load(cfg: LoadConfig, out: Path) -> tuple[list[dict[str, Any]], dict[st
     """One run per user count -> (steps, knee); writes steps.json and a plot per step."""
     assert cfg.data is not None and cfg.slo_p99_ms is not None
     info = model_info(cfg.host, cfg.data, cfg.examples)
-    steps = []
+    steps: list[dict[str, Any]] = []
     for u in cfg.step_users:
+        if stop_requested() and steps:
+            break
         d = out / f"step_{u}"
         s = run_locust(cfg, cfg.host, u, cfg.step_duration, d, spawn_rate=float(u))
         report.plot(d / "locust_stats_history.csv", d / "latency.png", f"{u} users")
@@ -142,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     out = cfg.out or ROOT / "reports" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
+    stop_on_signals()
     (out / "config.json").write_text(json.dumps(rc.to_dict(cfg), indent=2) + "\n")
     try:
         if cfg.step_users:
@@ -159,8 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{summary['requests']} requests, {summary['failures']} failures, "
         f"{summary['rps']:.1f} rps ({summary['rps'] * summary['examples_per_request']:,.0f} examples/s), "
-        f"p50 {summary['p50_ms']:g} ms, p95 {summary['p95_ms']:g} ms, p99 {summary['p99_ms']:g} ms "
-        f"({out / 'summary.json'})"
+        f"p50 {summary['p50_ms']:g} ms, p95 {summary['p95_ms']:g} ms, p99 {summary['p99_ms']:g} ms"
+        + (f", stopped by {summary['stopped_by']}" if "stopped_by" in summary else "")
+        + f" ({out / 'summary.json'})"
     )
     if violation:
         print(f"SLO: {violation}", file=sys.stderr)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,36 @@ def test_calibrate_alone_measures_the_generator_ceiling(rows_tsv: Path, tmp_path
     assert doc["users"] == 2 and doc["processes"] == 1, doc
     assert doc["requests"] > 0 and doc["failures"] == 0 and doc["rps"] > 0, doc
     assert f"generator ceiling: {doc['rps']:.1f} rps" in proc.stdout
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_load_with_its_report(
+    gateway: str, rows_tsv: Path, tmp_path: Path
+) -> None:
+    # A load meant for an hour, ended by SIGTERM once calls are flowing (how a load spans
+    # another command: `make loadtest DURATION=1h & ... kill $!`): Locust quits cleanly, the
+    # report and summary.json are written, exit 0.
+    out = tmp_path / "r"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loadtest.run", "--host", gateway, "--data", str(rows_tsv),
+         "-u", "2", "-r", "2", "-t", "1h", "--out", str(out)],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    history = out / "locust_stats_history.csv"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        rows = history.read_text().splitlines()[1:] if history.exists() else []
+        if any(int(r.split(",")[17]) > 0 for r in rows if r.split(",")[17].isdigit()):
+            break  # "Total Request Count" > 0: calls are flowing
+        time.sleep(0.5)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stdout + stderr[-3000:]
+    assert time.time() - t0 < 30, "the load did not stop promptly"
+    s = json.loads((out / "summary.json").read_text())
+    assert s["stopped_by"] == "SIGTERM" and s["requests"] > 0 and s["failures"] == 0, s
+    assert s["started_at"] < s["ended_at"] <= time.time()
+    assert "stopped by SIGTERM" in stdout
+    assert (out / "report.html").stat().st_size > 0
+    assert (out / "latency.png").read_bytes()[:4] == b"\x89PNG"
