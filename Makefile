@@ -67,6 +67,32 @@ train: setup  ## train PRESET (tiny|demo|criteo-kaggle) with NPROC processes int
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) \
 		-m training.train $(TRAIN_ARGS)
 
+# Multi-node: the same command on every node, RUN and the data caches on storage they all see.
+# NODE_RANK=0 on the node RDZV_ENDPOINT names (its torchrun hosts the rendezvous store), 1.. on
+# the others; the c10d rendezvous numbers the ranks itself. Each node's --prepare-only waits on
+# the data's lock files while the first one prepares, then reuses its cache. Without NODE_RANK,
+# all NNODES nodes are launched here (a try-out; their lines prefixed [node N]).
+NNODES ?= 2
+NODE_RANK ?=
+RDZV_ENDPOINT ?= 127.0.0.1:29400
+RDZV_ID ?= $(PRESET)
+RDZV_TIMEOUT ?= 600
+torchrun_node = OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --nnodes=$(NNODES) \
+	--nproc_per_node=$(NPROC) --rdzv_backend=c10d --rdzv_endpoint=$(RDZV_ENDPOINT) \
+	--rdzv_id=$(RDZV_ID) --rdzv_conf=join_timeout=$(RDZV_TIMEOUT),is_host=$(1) -m training.train $(TRAIN_ARGS)
+
+.PHONY: train-multinode
+train-multinode: setup  ## train PRESET on NNODES nodes x NPROC: on each, NODE_RANK=0.. RDZV_ENDPOINT=<node 0>:<port> (no NODE_RANK: all nodes here)
+	$(PY) -m training.train --prepare-only $(TRAIN_ARGS)
+ifneq ($(NODE_RANK),)
+	$(call torchrun_node,$(if $(filter 0,$(NODE_RANK)),1,0))
+else
+	@pids=(); for n in $$(seq 0 $$(($(NNODES) - 1))); do \
+	  (set -o pipefail; $(call torchrun_node,$$((n == 0))) 2>&1 | sed -u "s/^/[node $$n] /") & \
+	  pids+=($$!); \
+	done; rc=0; for p in "$${pids[@]}"; do wait $$p || rc=$$?; done; exit $$rc
+endif
+
 # The continuous loop: RUN's latest checkpoint, then every file of DATA_DIR not consumed yet
 # (name order; a file appears by rename: *.tmp and dot-files are never read); FOLLOW=1 polls.
 DATA_DIR ?=

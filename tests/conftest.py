@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,32 @@ def run_train(
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} exited {proc.returncode}\n--- stderr (tail) ---\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
+
+def make_command(target: str, variables: dict[str, str], args: Sequence[str] = ()) -> list[str]:
+    """``make TARGET VAR=value ... ARGS='<args>'`` as a user types it (each of ``args`` shell-
+    quoted, as the recipe's shell reads ARGS), with this venv taken as built: a test never
+    reinstalls it (``-o``), even when a requirements file is newer."""
+    venv = VENV_BIN.parent
+    return [
+        "make", "--no-print-directory", "-o", f"{venv}/.installed", target, f"VENV={venv}",
+        *(f"{k}={v}" for k, v in variables.items()), f"ARGS={shlex.join(args)}",
+    ]  # fmt: skip
+
+
+def run_make(
+    target: str, variables: dict[str, str], args: Sequence[str] = (), timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """:func:`make_command` run to its end; AssertionError with its output's tail if it fails."""
+    cmd = make_command(target, variables, args)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{shlex.join(cmd)} exited {proc.returncode}\n{(proc.stdout + proc.stderr)[-4000:]}"
         )
     return proc
 

@@ -12,10 +12,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from training import checkpoint
 from training.checkpoint import Progress
 from training.config import Config
 from training.features import SPARSE_NAMES, table_name
+from training.loader import ReadLedger
 from training.trainer import Trainer
 
 logger = logging.getLogger("training")
@@ -25,13 +28,22 @@ class Checkpointer:
     """Saves ``trainer`` and ``progress`` under ``root`` and restores them on resume.
 
     ``meta`` (config, world size, data, versions) is recorded with every save, together with
-    the latest evaluation record.
+    the latest evaluation record and, given ``reads``, every rank's :class:`ReadLedger` record
+    (``reads``: where each rank ran and which training rows it read; also ``self.reads``).
     """
 
     def __init__(
-        self, root: Path, trainer: Trainer, progress: Progress, cfg: Config, meta: dict[str, Any]
+        self,
+        root: Path,
+        trainer: Trainer,
+        progress: Progress,
+        cfg: Config,
+        meta: dict[str, Any],
+        reads: ReadLedger | None = None,
     ) -> None:
         self.root, self.trainer, self.progress, self.meta = root, trainer, progress, meta
+        self.ledger = reads
+        self.reads: list[dict[str, Any]] = []  # every rank's ledger record at the last save
         self.every = cfg.train.checkpoint_every
         self.keep_last = cfg.train.keep_last
         self.table_rows = {
@@ -63,12 +75,24 @@ class Checkpointer:
 
     def save(self, metrics: dict[str, Any]) -> None:
         """Collective: a complete checkpoint of the current step (see :func:`checkpoint.save`)."""
+        extra: dict[str, Any] = {"metrics": metrics}
+        if self.ledger is not None:
+            self.reads = self._gather(self.ledger.record())
+            extra["reads"] = self.reads
         checkpoint.save(
             self.root,
             self.progress,
             self.trainer.state_dict(),
-            {**self.meta, "metrics": metrics},
+            {**self.meta, **extra},
             self.trainer.plan,
             self.keep_last,
         )
         self.last_saved = self.progress.step
+
+    @staticmethod
+    def _gather(record: dict[str, Any]) -> list[dict[str, Any]]:
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return [record]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, record)
+        return out

@@ -147,6 +147,10 @@ class TrainConfig:
     """Seed of model init and of the per-epoch shuffle."""
     log_every: int = 20
     """Steps between progress-bar metric updates."""
+    collective_timeout: int = 1800
+    """Seconds a rank waits in one collective (a step's exchange, a checkpoint barrier, rank 0
+    preparing data that ``--prepare-only`` did not) before it fails. A rank whose process dies
+    is noticed at once (its connections close); this bounds the wait for one that hangs."""
 
 
 @dataclass
@@ -187,6 +191,7 @@ class Config:
         _positive("train.batch_size", t.batch_size)
         _positive("train.epochs", t.epochs)
         _positive("train.keep_last", t.keep_last)
+        _positive("train.collective_timeout", t.collective_timeout)
         for name in ("max_steps", "eval_every", "eval_rows", "checkpoint_every"):
             if getattr(t, name) < 0:
                 raise ConfigError(f"train.{name} = {getattr(t, name)}: must be >= 0")

@@ -2,7 +2,9 @@
 
 Rank 0 generates and preprocesses while the others wait; its outcome (or its error) is
 broadcast, so a bad file fails every rank at once with the same one-line message instead of
-leaving the others blocked at a barrier.
+leaving the others blocked at a barrier. Across processes that are not one group (each node's
+``--prepare-only`` before its torchrun), a lock file beside the synthetic TSV and one beside the
+cache make the first one prepare while the others wait, then reuse what it wrote.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def synthetic_path(cfg: DataConfig) -> Path:
 
 def _prepare_on_rank0(cfg: DataConfig, progress: bool, rows_per_table: list[int] | None) -> str:
     from training.data.binary import ensure_binary
+    from training.data.build import locked
     from training.data.criteo import resolve_data_paths
     from training.data.synthetic import SyntheticSpec, generate, prob_sidecar
 
@@ -36,14 +39,18 @@ def _prepare_on_rank0(cfg: DataConfig, progress: bool, rows_per_table: list[int]
         paths = resolve_data_paths(Path(cfg.path))
     else:
         tsv = synthetic_path(cfg)
-        if not (tsv.is_file() and prob_sidecar(tsv).is_file()):
-            logger.info("generating %d synthetic rows into %s", cfg.synthetic_rows, tsv)
-            spec = SyntheticSpec(
-                rows=cfg.synthetic_rows,
-                seed=cfg.synthetic_seed,
-                vocab_sizes=[cfg.synthetic_vocab] * NUM_SPARSE,
-            )
-            generate(spec, tsv, progress=progress)
+        # Locked like the cache: two nodes' `--prepare-only` on one shared folder generate it
+        # once (a second copy renamed over the first would change its mtime, hence the cache
+        # key, and the cache would be built twice).
+        with locked(tsv):
+            if not (tsv.is_file() and prob_sidecar(tsv).is_file()):
+                logger.info("generating %d synthetic rows into %s", cfg.synthetic_rows, tsv)
+                spec = SyntheticSpec(
+                    rows=cfg.synthetic_rows,
+                    seed=cfg.synthetic_seed,
+                    vocab_sizes=[cfg.synthetic_vocab] * NUM_SPARSE,
+                )
+                generate(spec, tsv, progress=progress)
         paths = [tsv]
     out_dir, _meta = ensure_binary(
         paths,

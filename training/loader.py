@@ -11,8 +11,11 @@ Shapes: ``B`` local batch, ``D`` = 13 dense, ``F`` = 26 sparse features.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,8 +91,63 @@ def make_batch(arrays: Arrays, idx: np.ndarray, rows_per_table: np.ndarray) -> M
     )
 
 
+def row_digest(positions: np.ndarray) -> int:
+    """Order-free 64-bit digest of a set of stream positions (``epoch * rows + row``).
+
+    The sum (mod 2^64) of a mixing hash (splitmix64's finalizer) of each position: the digests
+    of disjoint sets add up to the digest of their union, so ranks whose row counts and
+    digests add up to those of the global batches read each of those rows once between them
+    (up to a 2^-64 chance), and a rank whose digest is that of its own slices read no other's.
+    """
+    x = positions.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return int(x.sum(dtype=np.uint64))
+
+
+@dataclass
+class ReadLedger:
+    """What a rank's :class:`TrainStream` handed out since this process started.
+
+    Recorded per rank in every checkpoint's ``meta.json`` (``reads``), so a multi-node run
+    shows where each rank ran and that the ranks read disjoint slices of the same batches. The
+    pipeline fetches a batch or two ahead of its step, so ``end`` may be past the checkpoint's.
+    """
+
+    rank: int
+    start: tuple[int, int] | None = None  # (epoch, rows_in_epoch) before its first batch
+    end: tuple[int, int] | None = None  # (epoch, rows_in_epoch) after its last batch
+    rows: int = 0
+    digest: int = 0  # row_digest of the (epoch, row) positions read, summed mod 2^64
+
+    def add(self, epoch: int, row: int, global_batch: int, idx: np.ndarray, n: int) -> None:
+        """Rows ``idx`` (of ``n`` training rows) read for the batch at ``(epoch, row)``."""
+        if self.start is None:
+            self.start = (epoch, row)
+        self.end = (epoch, row + global_batch)
+        self.rows += len(idx)
+        self.digest = (self.digest + row_digest(epoch * n + idx)) % 2**64
+
+    def record(self) -> dict[str, Any]:
+        """JSON-ready: rank, node (torchrun's ``GROUP_RANK``), host, pid and what it read."""
+        return {
+            "rank": self.rank,
+            "node": int(os.environ.get("GROUP_RANK", "0")),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "from": list(self.start) if self.start else None,
+            "to": list(self.end) if self.end else None,
+            "rows": self.rows,
+            "digest": f"{self.digest:016x}",
+        }
+
+
 class TrainStream:
-    """Endless-until-``epochs`` iterator of this rank's training batches (``Batch``)."""
+    """Endless-until-``epochs`` iterator of this rank's training batches (``Batch``).
+
+    Every batch handed out is counted in ``reads`` (:class:`ReadLedger`).
+    """
 
     def __init__(
         self,
@@ -103,6 +161,7 @@ class TrainStream:
         epochs: int,
         start_epoch: int = 0,
         start_row: int = 0,
+        reads: ReadLedger | None = None,
     ) -> None:
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} is not divisible by {world_size} ranks")
@@ -115,6 +174,7 @@ class TrainStream:
         self.epochs = epochs
         self.epoch = start_epoch
         self.row = start_row
+        self.reads = ReadLedger(rank) if reads is None else reads
 
     @property
     def steps_per_epoch(self) -> int:
@@ -130,6 +190,7 @@ class TrainStream:
             while self.row + self.global_batch <= len(perm):
                 lo = self.row + self.rank * self.local_batch
                 idx = np.sort(perm[lo : lo + self.local_batch])  # sorted: sequential reads
+                self.reads.add(self.epoch, self.row, self.global_batch, idx, len(perm))
                 self.row += self.global_batch
                 yield make_batch(self.arrays, idx, self.rows_per_table).batch
             self.epoch += 1

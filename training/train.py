@@ -10,6 +10,7 @@ Gloo on CPU, NCCL on CUDA.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from recsys_stack import logs
 from recsys_stack.net import free_ports
@@ -30,9 +32,11 @@ from training.config import Config, RunArgs, config_to_dict, parse_args
 from training.data_prep import prepare_data
 from training.errors import DataError, RecsysError
 from training.evaluator import Evaluator
-from training.loader import Arrays, TrainStream
+from training.loader import Arrays, ReadLedger, TrainStream
 from training.loop import TrainLoop
 from training.metrics import MetricsLog
+from training.peers import EXIT_PEER_LOST, lost_peer
+from training.peers import message as peer_lost_message
 from training.sharding import format_plan
 from training.tb import for_run as scalars_for_run
 from training.trainer import Trainer, build_trainer, make_pipeline, unwrapped_model
@@ -40,8 +44,9 @@ from training.trainer import Trainer, build_trainer, make_pipeline, unwrapped_mo
 logger = logging.getLogger("training")
 
 
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """Join torchrun's process group (a 1-process group when run without torchrun)."""
+def setup_distributed(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
+    """Join torchrun's process group (a 1-process group when run without torchrun); its
+    collectives fail after ``timeout_s`` seconds without the other ranks."""
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -56,7 +61,7 @@ def setup_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -77,9 +82,15 @@ def prepare(args: RunArgs) -> None:
 
 
 def train_stream(
-    cfg: Config, arrays: Arrays, progress: checkpoint.Progress, rank: int, world: int
+    cfg: Config,
+    arrays: Arrays,
+    progress: checkpoint.Progress,
+    rank: int,
+    world: int,
+    reads: ReadLedger | None = None,
 ) -> tuple[TrainStream, int]:
-    """This rank's batches from where ``progress`` stands, and the step to stop at."""
+    """This rank's batches from where ``progress`` stands (counted in ``reads``), and the step
+    to stop at."""
     stream = TrainStream(
         arrays,
         global_batch=cfg.train.batch_size,
@@ -90,6 +101,7 @@ def train_stream(
         epochs=cfg.train.epochs,
         start_epoch=progress.epoch,
         start_row=progress.rows_in_epoch,
+        reads=reads,
     )
     if stream.steps_per_epoch == 0:
         raise DataError(
@@ -197,12 +209,13 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
         "data": data_info,
         "versions": {"torch": torch.__version__},
     }
-    checkpointer = Checkpointer(run_dir / "checkpoints", trainer, progress, cfg, run_meta)
+    reads = ReadLedger(rank)
+    checkpointer = Checkpointer(run_dir / "checkpoints", trainer, progress, cfg, run_meta, reads)
     if resume_from is not None:
         assert meta is not None
         checkpointer.restore(resume_from, meta, rank)
 
-    stream, total = train_stream(cfg, train_arrays, progress, rank, world)
+    stream, total = train_stream(cfg, train_arrays, progress, rank, world, reads)
     metrics_log, loss_log = open_logs(run_dir, cfg, progress.step, rank)
     evaluator = Evaluator(cfg, eval_arrays, metrics_log, rank, world)
     show_bar = rank == 0 and args.progress
@@ -211,8 +224,17 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
     if rank == 0:
         from training.plot import plot_run
 
+        logger.info("training rows read by each rank: %s", format_reads(checkpointer.reads))
         logger.info("learning curves: %s", plot_run(run_dir))
     return evaluator.last
+
+
+def format_reads(reads: list[dict[str, Any]]) -> str:
+    """``rank 0 (host a, torchrun node 0): 3,840, ...``: meta's ``reads``, one rank after another."""
+    return ", ".join(
+        f"rank {r['rank']} (host {r['host']}, torchrun node {r['node']}): {r['rows']:,}"
+        for r in reads
+    )
 
 
 def configure_logging(rank: int, verbose: bool) -> None:
@@ -229,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.prepare_only:
             prepare(args)
             return 0
-        rank, world, device = setup_distributed()
+        rank, world, device = setup_distributed(args.config.train.collective_timeout)
         final = train(args, rank, world, device)
         if rank == 0:
             print(json.dumps({"final": final, "run_dir": str(args.run_dir)}))
@@ -238,6 +260,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except (Exception, CheckpointException) as e:
+        reason = lost_peer(e)
+        if reason is None:
+            raise
+        line = peer_lost_message(reason, args.run_dir, args.config.train.collective_timeout)
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        return EXIT_PEER_LOST
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -9,29 +9,13 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, run_train
+from tests.training.conftest import MOM, PLAN_A, PLAN_B, TINY, assert_plan_a_resumed_as_plan_b
+from tests.training.conftest import losses as _losses
+from tests.training.conftest import plan as _plan
 from training.checkpoint import KILL_IN_SAVE_ENV, read_tensors
 from training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
-
-TINY = ["--config", "training/configs/tiny.toml", "--no-progress"]
-# Run A's plan: C1 and C2 split by columns over both ranks, every other table whole on one rank.
-PLAN_A = [
-    'sharding.sharding_types=["table_wise"]',
-    'sharding.tables.t_C1.sharding_types=["column_wise"]',
-    "sharding.tables.t_C1.min_partition=4",
-    'sharding.tables.t_C2.sharding_types=["column_wise"]',
-    "sharding.tables.t_C2.min_partition=4",
-    "train.log_every=10",
-]
-# The resumed runs' plan: one process, every table whole ("table_wise").
-PLAN_B = ['sharding.sharding_types=["table_wise"]', "train.log_every=10"]
-EMB = "model.model.sparse_arch.embedding_bag_collection.embedding_bags."
-MOM = "optim.state.model.sparse_arch.embedding_bag_collection.embedding_bags."
-
-
-def _losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run / "train_loss.jsonl")}
 
 
 def _scalar_steps(run: Path) -> dict[str, list[int]]:
@@ -41,10 +25,6 @@ def _scalar_steps(run: Path) -> dict[str, list[int]]:
     acc = EventAccumulator(str(run / "tb"))
     acc.Reload()
     return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-def _plan(ckpt: Path) -> dict[str, dict]:
-    return {r["table"]: r for r in json.loads((ckpt / "plan.json").read_text())}
 
 
 def _resume_on_one_rank(src: Path, run: Path, data_dirs: list[str], max_steps: int) -> Path:
@@ -98,23 +78,7 @@ def run_b(run_a: Path, tmp_path_factory: pytest.TempPathFactory, data_dirs: list
 def test_resume_on_one_rank_with_another_plan_restores_state(run_a: Path, run_b: Path) -> None:
     src = run_a / "checkpoints" / "step_00000030"
     dst = run_b / "checkpoints" / "step_00000030"
-    assert _plan(dst)["t_C1"]["sharding_type"] == "table_wise"
-    saved, loaded = read_tensors(src), read_tensors(dst)
-    for key, value in saved.items():
-        if key.startswith("model."):
-            assert torch.equal(loaded[key], value), key  # weights bit-exact through resharding
-    for table in ("t_C3", "t_C10"):  # table-wise -> table-wise: accumulators exact
-        key = f"{MOM}{table}.weight.{table}.momentum1"
-        assert torch.equal(loaded[key], saved[key]), key
-    rows = 128
-    for table in ("t_C1", "t_C2"):  # 2 column shards -> 1 whole table: the per-row mean
-        key = f"{MOM}{table}.weight.{table}.momentum1"
-        assert saved[key].numel() == 2 * rows and loaded[key].numel() == rows
-        assert torch.allclose(loaded[key], saved[key].view(2, rows).mean(0))
-        assert loaded[key].abs().sum() > 0
-    # Dense optimizer state (Adagrad sums of the MLPs) comes back too.
-    dense = [k for k in saved if k.startswith("optim.state.model.over_arch")]
-    assert dense and all(torch.equal(loaded[k], saved[k]) for k in dense)
+    assert_plan_a_resumed_as_plan_b(src, dst)
     meta = json.loads((dst / "meta.json").read_text())
     assert meta["progress"]["step"] == 30 and meta["world_size"] == 1
 
