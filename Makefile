@@ -168,8 +168,10 @@ bench: setup  ## training (trainer vs DMP ceiling vs plain PyTorch) and serving 
 	$(PY) -m serving.bench $(SERVING_BENCH_ARGS)
 
 .PHONY: bench-scale
-bench-scale: setup  ## cost of each stage vs table size (1M-33.8M rows), and serving at half memory: reports/bench-scale/
-	$(PY) -m serving.bench.scale $(SCALE_ARGS)
+SCALE_STAGES ?= serving training
+bench-scale: setup  ## export/serving vs table size (SCALE_ARGS), preprocessing + training at the Kaggle shape (SCALE_TRAIN_ARGS): reports/bench-scale/ [SCALE_STAGES=serving|training]
+	$(if $(filter serving,$(SCALE_STAGES)),$(PY) -m serving.bench.scale $(SCALE_ARGS))
+	$(if $(filter training,$(SCALE_STAGES)),$(PY) -m training.bench_scale $(SCALE_TRAIN_ARGS))
 
 test: setup test-deps  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
 	$(PY) -m pytest $(PYTEST_ARGS)
