@@ -100,6 +100,8 @@ class ChaosConfig:
     """Acceptance: longest a ready replica may wait to take traffic again."""
     max_rss_growth: float = 0.05
     """Acceptance: largest relative RSS growth of a gateway over the run."""
+    max_hedge_ratio: float = 0.05
+    """Acceptance: hedged TorchServe calls / TorchServe calls, all gateways together."""
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     """The gateway (``gateway.schema`` names the model; port, backends and keys are set here)."""
 
@@ -288,7 +290,8 @@ def build_report(cfg: ChaosConfig, c: Cluster, events: Sequence[Event], skipped:
     evs = [{"event": k + 1, **dataclasses.asdict(e)} for k, e in enumerate(events)]
     end = max((x.end for x in calls), default=t0)
     acceptance = {
-        k: getattr(cfg, k) for k in ("min_success_ratio", "max_rotation_s", "max_rss_growth")
+        k: getattr(cfg, k)
+        for k in ("min_success_ratio", "max_rotation_s", "max_rss_growth", "max_hedge_ratio")
     }
     report: dict[str, Any] = {
         "commit": git_commit(), "target": c.target, "duration_s": round(end - t0, 1),
@@ -296,7 +299,8 @@ def build_report(cfg: ChaosConfig, c: Cluster, events: Sequence[Event], skipped:
         "ok_by_replica": {r.name: sum(x.ok and x.backend == r.backend for x in calls) for r in c.replicas},
         "overall": cr.stats(calls), "events": cr.recovery(calls, evs, t0, end),
         "phases": cr.phases(calls, evs, t0, end),
-        "gateways": {g.name: cr.rss_growth(g.rss, g.primary_since + cfg.warmup_s) for g in c.gateways},
+        "gateways": {g.name: {**cr.rss_growth(g.rss, g.primary_since + cfg.warmup_s), **g.counts} for g in c.gateways},
+        "hedges": cr.hedges([g.counts for g in c.gateways]),
         "skipped": skipped, "locust": locust, "acceptance": acceptance,
         "config": rc.to_dict(cfg),
     }  # fmt: skip

@@ -6,7 +6,7 @@ in addition every call appends one line to ``$CHAOS_REQUEST_LOG/requests-<pid>.c
 
     start (unix s), latency (ms), code (OK | a gRPC code name | BAD_REPLY), backend
 
-``backend`` is the gateway's ``x-recsys-backend`` initial metadata: the TorchServe replica that
+``backend`` is the gateway's ``x-recsys-backend`` trailing metadata: the TorchServe replica that
 answered, which shows when a restarted replica takes traffic again. Lines are written whole
 and flushed at once, so the chaos runner reads them while the load runs.
 """
@@ -43,8 +43,8 @@ def _log() -> IO[str]:
 
 
 def _backend(call: Any) -> str:
-    with contextlib.suppress(Exception):  # no metadata when the call failed before headers
-        for key, value in call.initial_metadata() or ():
+    with contextlib.suppress(Exception):  # no metadata when the call failed
+        for key, value in call.trailing_metadata() or ():
             if key == BACKEND_HEADER:
                 return str(value)
     return ""

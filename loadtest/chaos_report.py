@@ -11,7 +11,9 @@ in flight when a fault hit counts against that fault):
 - ``ready_s``: from the fault until the component could serve again (see ``loadtest/faults.py``);
 - ``rotation_s``: from ``ready`` until a successful call answered by that replica ended
   (``x-recsys-backend``): how long the gateway kept a ready replica out of rotation;
-- RSS growth: the gateway's last sample over its first sample ``warmup_s`` into the load.
+- RSS growth: the gateway's last sample over its first sample ``warmup_s`` into the load;
+- hedges: second copies of slow TorchServe calls (``recsys_gateway_backend_hedges_total``) over
+  the TorchServe calls made, every gateway's last scrape together.
 """
 
 from __future__ import annotations
@@ -144,6 +146,14 @@ def rss_growth(samples: Sequence[tuple[float, int]], warm_from: float) -> dict[s
     }
 
 
+def hedges(counts: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """Hedged calls, backend calls and their ratio over the gateways' last scrapes."""
+    hedged = sum(c.get("hedges", 0.0) for c in counts)
+    calls = sum(c.get("backend_calls", 0.0) for c in counts)
+    return {"hedges": int(hedged), "backend_calls": int(calls),
+            "ratio": round(hedged / calls, 5) if calls else None}  # fmt: skip
+
+
 def verdict(report: dict[str, Any], acceptance: dict[str, float]) -> list[str]:
     """Why the run misses the acceptance, one line each ([] = it meets it)."""
     bad = []
@@ -164,6 +174,11 @@ def verdict(report: dict[str, Any], acceptance: dict[str, float]) -> list[str]:
             bad.append(
                 f"gateway {name}: RSS grew {g['growth']:.1%} (limit {acceptance['max_rss_growth']:.0%})"
             )
+    h = report.get("hedges") or {}
+    limit = acceptance.get("max_hedge_ratio")
+    if limit is not None and h.get("ratio") is not None and h["ratio"] > limit:
+        bad.append(f"hedges: {h['hedges']} of {h['backend_calls']} TorchServe calls "
+                   f"({h['ratio']:.2%}, limit {limit:.0%})")  # fmt: skip
     bad += [f"fault {f} not injected: {why}" for f, why in report["skipped"]]
     return bad
 
@@ -194,6 +209,9 @@ def table(report: dict[str, Any]) -> str:
         f"gateway {k} RSS {_ms(g['warm_mb'])} -> {_ms(g['end_mb'])} MB"
         for k, g in report["gateways"].items()
     )
+    h = report.get("hedges") or {}
+    if h.get("ratio") is not None:
+        rss += f"; hedges {h['hedges']} of {h['backend_calls']} TorchServe calls ({h['ratio']:.2%})"
     rows += ["", f"{o['requests']} calls, {o['failures']} failed "
                  f"({o['failures_by_code'] or 'none'}), success {o['success_ratio']:.4%}; {rss}"]  # fmt: skip
     return "\n".join(rows)

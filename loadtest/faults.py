@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,8 @@ class Gateway:
     log: Path
     rss: list[tuple[float, int]] = field(default_factory=list)
     """(unix time, bytes) samples while it runs."""
+    counts: dict[str, float] = field(default_factory=dict)
+    """Its last scrape of :data:`COUNTERS` (``/metrics``, with the RSS samples)."""
     primary_since: float = 0.0
     """When it became the gateway taking the load (unix time)."""
 
@@ -218,13 +221,38 @@ FAULTS: dict[str, Callable[[Cluster, Replica], Event]] = {
 }
 
 
+# the gateway's Prometheus series the report counts: TorchServe calls made (scoring, not
+# probes) and the hedges among them (serving/gateway/hedge.py)
+COUNTERS = {
+    "backend_calls": "recsys_gateway_backend_call_examples_count",
+    "hedges": "recsys_gateway_backend_hedges_total",
+}
+
+
+def scrape_counts(text: str) -> dict[str, float]:
+    """:data:`COUNTERS` summed over their labels, from Prometheus' text format."""
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        name = line.partition("{")[0] if "{" in line else line.partition(" ")[0]
+        for key, series in COUNTERS.items():
+            if name == series:
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def sample_rss(c: Cluster) -> None:
-    """One RSS sample of every live gateway."""
+    """One RSS sample of every live gateway, and its counters."""
     now = time.time()
     for gw in c.gateways:
         if gw.proc.poll() is None:
             with contextlib.suppress(psutil.Error):
                 gw.rss.append((now, psutil.Process(gw.proc.pid).memory_info().rss))
+            url = f"http://127.0.0.1:{gw.cfg.metrics.port}/metrics"
+            with (
+                contextlib.suppress(OSError, ValueError, IndexError),
+                urllib.request.urlopen(url, timeout=0.5) as r,
+            ):
+                gw.counts = scrape_counts(r.read().decode())
 
 
 def stop_all(c: Cluster) -> None:

@@ -28,6 +28,7 @@ import numpy as np
 
 from serving.gateway import metrics
 from serving.gateway.config import HedgeConfig
+from serving.gateway.errors import BackendError, map_backend_error
 from serving.gateway.hedge import Hedger, answered_within
 from serving.gateway.wire import prediction_of
 from serving.torchserve.client import PREDICTIONS, inference_pb2, predictions_envelope
@@ -40,21 +41,9 @@ RECONNECT_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
-_UNAVAILABLE_HINTS = ("worker", "not found", "unavailable", "503", "no worker", "connect")
 # a backend's key file is looked at this often at most (a stat per call cost ~40 us under load);
 # TorchServe takes longer than this to restart with new keys, and a refused key is re-read
 KEY_RECHECK_S = 1.0
-
-
-class BackendError(Exception):
-    """A failed backend call, already mapped to the gateway's status code; ``retry``: another
-    backend may take it (an outage that failed fast, not a timeout)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry = retry
 
 
 def probe_body(dense: int, sparse: int) -> bytes:
@@ -73,33 +62,6 @@ def probe_problem(prediction: bytes) -> str:
     if scores.size != 1 or not (0.0 <= float(scores[0]) <= 1.0):
         return f"the probe's answer is {scores[:4].tolist()}, not one probability in [0, 1]"
     return ""
-
-
-def map_backend_error(
-    e: grpc.aio.AioRpcError, client_bound: bool = False, deadline_s: float = 0.0
-) -> tuple[grpc.StatusCode, str]:
-    """TorchServe's status -> ours.
-
-    Outages are UNAVAILABLE (retryable): connection refused, a model without a live worker, and
-    no answer within the gateway's own backend deadline (as proxies map an upstream timeout).
-    DEADLINE_EXCEEDED only when the client's deadline was the one that ran out.
-    """
-    code, details = e.code(), (e.details() or "").strip()
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        if client_bound:
-            return code, "the call's deadline passed while TorchServe was scoring"
-        return grpc.StatusCode.UNAVAILABLE, (
-            f"TorchServe did not answer within {deadline_s:g}s: its workers are down, restarting or overloaded"
-        )
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return code, f"TorchServe is unreachable: {details or code.name}"
-    if code == grpc.StatusCode.PERMISSION_DENIED:  # keys rotate when TorchServe restarts
-        return grpc.StatusCode.UNAVAILABLE, f"TorchServe refused the gateway's key: {details}"
-    if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED) or any(
-        h in details.lower() for h in _UNAVAILABLE_HINTS
-    ):
-        return grpc.StatusCode.UNAVAILABLE, f"TorchServe: {details or code.name}"
-    return grpc.StatusCode.INTERNAL, f"TorchServe failed: {code.name}: {details}"
 
 
 @dataclass
@@ -165,6 +127,7 @@ class BackendPool:
         self.hedger = Hedger(hedge or HedgeConfig(ratio=0.0))
         self.deadline_s = deadline_s
         self.deadline_per_mb_s = deadline_per_mb_s
+        self._orphans: set[asyncio.Future[Any]] = set()  # losing copies of hedged calls
         self.cordoned: frozenset[str] = frozenset()
         """Targets used only when no other backend is in rotation (the serving plan's
         ``cordon``: a replica busy loading a version)."""
@@ -258,27 +221,35 @@ class BackendPool:
         self, backend: Backend, request: bytes, timeout: float, version: str, tried: set[int]
     ) -> tuple[Any, Backend]:
         """``backend``'s answer (the prediction's bytes), or a hedge's (:mod:`.hedge`): when it
-        has not answered by the recent tail and another replica in rotation (not tried, not
-        cordoned) exists and the budget allows, the call goes there too and the first answer
-        wins. A failure of one copy waits for the other; both failing raise the first copy's
-        error. Until a hedge is sent, the call is awaited as is (no task, no ``asyncio.wait``:
-        one timer, when another replica exists)."""
+        has not answered by the recent tail and another replica in rotation (not tried; a
+        stalled or cordoned one only if no other) exists and the budget allows, the call goes there
+        too and the first answer wins. With none to go to yet (the others out of rotation or
+        stalled, the budget spent), the call looks again after each further tail until its
+        deadline: a replica that returns to rotation meanwhile still takes it. A failure of one
+        copy waits for the other; both failing raise the first copy's error. Until a hedge is
+        sent, the call is awaited as is (no task, no ``asyncio.wait``: one timer, when another
+        replica exists)."""
         self.hedger.earn()
         call = self._start(backend, request, timeout)
         delay = self.hedger.delay()
         alone = len(tried) >= len(self.backends)  # no other replica to hedge to, ever
         if delay is None or delay >= timeout or alone or await answered_within(call, delay):
             return await call, backend
-        others = [j for j in range(len(self.backends)) if j not in tried]
-        ready = [j for j in others if self._rank(self.backends[j], version) == 0]
-        if not ready or not self.hedger.spend():
-            return await call, backend
+        waited = delay
+        while (other := self._hedge_target(version, tried)) is None:
+            if waited + delay >= timeout:
+                logger.debug(
+                    "no hedge for a call to %s after %.0f ms", backend.target, waited * 1e3
+                )
+                return await call, backend
+            if await answered_within(call, delay):
+                return await call, backend
+            waited += delay
         backend.stalled = True  # new calls go elsewhere until it answers a probe
-        other = self.backends[min(ready, key=lambda j: self.backends[j].in_flight)]
         metrics.hedged(other.target)
         other.in_flight += 1
         primary: asyncio.Future[Any] = asyncio.ensure_future(call)
-        second = asyncio.ensure_future(self._call(other, request, timeout - delay))
+        second = asyncio.ensure_future(self._call(other, request, timeout - waited))
         copies = {primary: backend, second: other}
         try:
             pending = set(copies)
@@ -290,8 +261,32 @@ class BackendPool:
             return primary.result(), backend  # both failed: the first copy's error
         finally:
             other.in_flight -= 1
-            for task in copies:
-                task.cancel()
+            for task in copies:  # the loser runs out: cancelling leaks (see _orphan)
+                if not task.done():
+                    self._orphan(task)
+
+    def _orphan(self, task: asyncio.Future[Any]) -> None:
+        """Keep the losing copy of a hedged call until it ends by itself (its answer, or its
+        deadline: both bounded), its outcome dropped. Not cancelled: grpc.aio leaks the
+        native batch of a call cancelled in flight (grpc/grpc#43360, ~1 KB per hedge here,
+        so a gateway's RSS grew with every hedge), and TorchServe scores a cancelled call
+        anyway."""
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+
+    def _hedge_target(self, version: str, tried: set[int]) -> Backend | None:
+        """Where a hedge of a call goes now: the replica in rotation with the fewest calls in
+        flight, not tried, neither cordoned nor stalled unless all are; None when there is
+        none or the budget is spent."""
+        others = [j for j in range(len(self.backends)) if j not in tried]
+        for rank in (0, 1):
+            ready = [j for j in others if self._rank(self.backends[j], version) <= rank]
+            if ready:
+                if not self.hedger.spend():
+                    return None
+                return self.backends[min(ready, key=lambda j: self.backends[j].in_flight)]
+        return None
 
     def _start(self, backend: Backend, request: bytes, timeout: float | None = None) -> Any:
         """One ``Predictions`` call of a serialized request, started (the grpc call object,
@@ -356,7 +351,7 @@ class BackendPool:
         return {}
 
     def call_metadata(self, target: str, version: str) -> tuple[tuple[str, str], ...]:
-        """The initial metadata of an answer scored by ``target``: the backend, and what it
+        """The trailing metadata of an answer scored by ``target``: the backend, and what it
         serves (``x-recsys-served: device=cpu variant=int8 dtype=int8``) once it said."""
         served = self.served(target, version)
         described = " ".join(f"{k}={v}" for k, v in served.items())

@@ -4,7 +4,9 @@ The cost of a TorchServe call is per call (Java frontend, worker socket, Python 
 per example (see docs/architecture.md), so the gateway merges what arrives while it is busy:
 
 - A call starts at once when fewer than ``slots`` backend calls are in flight: a lone request
-  never waits (no timer), and goes out from its caller's own task, as is.
+  never waits (no timer), and goes out from its caller's own task, as is. So does a request of
+  at least ``alone_examples`` examples whatever is in flight: it is a call's worth of work on
+  its own, and merging it would only copy it.
 - Otherwise it queues; when a backend call finishes, everything queued (up to
   ``max_examples`` examples) leaves as ONE call, in arrival order.
 - Each caller gets exactly its own scores, in order. A member whose deadline has passed before
@@ -125,7 +127,12 @@ class Coalescer:
     """
 
     def __init__(
-        self, send: Send, slots: int, max_examples: int, max_bytes: int | None = None
+        self,
+        send: Send,
+        slots: int,
+        max_examples: int,
+        max_bytes: int | None = None,
+        alone_examples: int = 0,
     ) -> None:
         if slots < 1 or max_examples < 1:
             raise ValueError("slots and max_examples must be >= 1")
@@ -133,6 +140,7 @@ class Coalescer:
         self.slots = slots
         self.max_examples = max_examples
         self.max_bytes = max_bytes
+        self.alone_examples = alone_examples or 1 << 62  # 0: none goes alone for its size
         self.queue: deque[Member] = deque()
         self.in_flight = 0
         self.stats = Stats()
@@ -141,7 +149,8 @@ class Coalescer:
     async def score(self, arrays: Arrays, time_remaining: float | None) -> tuple[np.ndarray, str]:
         """This request's scores ``f32[B]`` and the backend that answered; raises what the
         backend call raised, or :class:`Expired`."""
-        if self.in_flight < self.slots and not self.queue:
+        large = len(arrays[0]) >= self.alone_examples
+        if large or (self.in_flight < self.slots and not self.queue):
             return await self._alone(arrays, time_remaining)
         loop = asyncio.get_running_loop()
         deadline = None if time_remaining is None else loop.time() + time_remaining
@@ -151,9 +160,9 @@ class Coalescer:
         return await member.future
 
     async def _alone(self, arrays: Arrays, time_remaining: float | None) -> tuple[np.ndarray, str]:
-        """A call with a free slot and no queue ahead of it: sent from the caller's own task, as
-        is (no member, future, task or merge: what a request costs when there is nothing to
-        merge it with); the calls that queue meanwhile leave when it ends."""
+        """A call with a free slot and no queue ahead of it, or a large one: sent from the
+        caller's own task, as is (no member, future, task or merge: what a request costs when
+        there is nothing to merge it with); the calls that queue meanwhile leave when it ends."""
         if time_remaining is not None and time_remaining <= 0:
             raise Expired("the deadline passed while queued")
         examples = int(arrays[0].shape[0])

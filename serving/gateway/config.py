@@ -31,10 +31,17 @@ class CoalesceConfig:
     """Most examples in one merged TorchServe call (a larger single request goes alone)."""
     calls_per_backend: int = 2
     """Backend calls in flight per TorchServe replica; more requests queue and are merged."""
+    alone_examples: int = 512
+    """A request of at least this many examples neither waits for a slot nor is merged: it is
+    work enough for a call of its own (merging it saves no per-call cost, only copies), and
+    queueing it would leave TorchServe's workers idle between calls. 0 = every request may
+    queue."""
 
     def __post_init__(self) -> None:
         if self.max_examples < 1 or self.calls_per_backend < 1:
             raise ValueError("coalesce.max_examples and coalesce.calls_per_backend must be >= 1")
+        if self.alone_examples < 0:
+            raise ValueError("coalesce.alone_examples must be >= 0 (0: off)")
 
 
 @dataclass

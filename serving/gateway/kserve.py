@@ -229,7 +229,7 @@ class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc
             )
         except ScoreError as e:
             await context.abort(e.code, e.message)
-        await context.send_initial_metadata(self.ranker.pool.call_metadata(backend, version))
+        context.set_trailing_metadata(self.ranker.pool.call_metadata(backend, version))
         reply = encode_scores(request, scores, version, raw=bool(request.raw_input_contents))
         # what scored it, in the protocol's own place for it (ModelMetadata has no parameters)
         for key, value in {"backend": backend, **self.ranker.pool.served(backend, version)}.items():

@@ -30,10 +30,10 @@ from serving.gateway import kserve, metrics
 from serving.gateway.admission import Admission, AdmissionInterceptor
 from serving.gateway.auth import AuthError, check_exposure, server_credentials
 from serving.gateway.auth import interceptors as auth_interceptors
-from serving.gateway.backends import BackendError, BackendPool
+from serving.gateway.backends import BackendPool
 from serving.gateway.coalesce import Arrays, Coalescer, Expired, ScoreCountError
 from serving.gateway.config import GatewayConfig
-from serving.gateway.errors import ScoreError
+from serving.gateway.errors import BackendError, ScoreError
 from serving.gateway.memory import keep_freed_memory
 from serving.gateway.plan import Plan, PlanError, PlanWatcher, ordered, schema_plan
 from serving.gateway.rpc import Chain, add_servicer
@@ -100,7 +100,11 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         if c is None:
             send = functools.partial(self._send, version)
             c = self.coalescers[version] = Coalescer(
-                send, self.slots, self.cfg.coalesce.max_examples, self.body_limit
+                send,
+                self.slots,
+                self.cfg.coalesce.max_examples,
+                self.body_limit,
+                self.cfg.coalesce.alone_examples,
             )
         return c
 
@@ -187,7 +191,9 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             )
         except ScoreError as e:
             await context.abort(e.code, e.message)
-        await context.send_initial_metadata(self.pool.call_metadata(backend, version))
+        # trailing, not initial: it leaves with the status in the answer's one batch (initial
+        # metadata of our own would be a batch, a sendmsg and its wake-ups more per call)
+        context.set_trailing_metadata(self.pool.call_metadata(backend, version))
         return score_response(scores, self.plan.model, version)
 
 

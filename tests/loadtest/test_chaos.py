@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import chaos
+from loadtest import chaos, faults
 from loadtest import chaos_report as cr
 from tests.conftest import ROOT, _env
 
@@ -60,6 +60,21 @@ def test_recovery_phases_and_verdict_from_records() -> None:
     assert len(misses) == 3 and "back in rotation 0.61 s" in misses[0]
     assert "RSS grew 4.0%" in misses[1] and misses[2].startswith("fault pause-replica")
     assert "2 failed" in cr.table(report)
+    text = (
+        "# HELP recsys_gateway_backend_hedges_total second copies\n"
+        'recsys_gateway_backend_hedges_total{backend="127.0.0.1:1"} 3.0\n'
+        'recsys_gateway_backend_hedges_total{backend="127.0.0.1:2"} 4.0\n'
+        'recsys_gateway_backend_call_examples_bucket{le="1.0"} 9.0\n'
+        "recsys_gateway_backend_call_examples_count 100.0\n"
+    )
+    counts = faults.scrape_counts(text)
+    assert counts == {"backend_calls": 100.0, "hedges": 7.0}
+    report["hedges"] = cr.hedges([counts, {"backend_calls": 40.0, "hedges": 0.0}])
+    assert report["hedges"] == {"hedges": 7, "backend_calls": 140, "ratio": 0.05}
+    assert "hedges 7 of 140 TorchServe calls (5.00%)" in cr.table(report)
+    assert cr.verdict(report, {**ACCEPT, "max_hedge_ratio": 0.05}) == ["success ratio 0.98 < 0.99"]
+    hedged = cr.verdict(report, {**ACCEPT, "max_hedge_ratio": 0.04})
+    assert hedged[-1] == "hedges: 7 of 140 TorchServe calls (5.00%, limit 4%)"
 
 
 def test_options_refused_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:

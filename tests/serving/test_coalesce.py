@@ -128,6 +128,28 @@ def test_the_examples_cap_splits_the_queue_and_a_big_request_goes_alone() -> Non
     asyncio.run(scenario())
 
 
+def test_a_large_request_neither_waits_for_a_slot_nor_merges() -> None:
+    """``alone_examples``: a request that is a call's worth of work goes out at once while
+    the slot is busy (small ones still queue and merge behind it)."""
+
+    async def scenario() -> None:
+        fake = FakeBackend()
+        co = Coalescer(fake.send, slots=1, max_examples=100, alone_examples=20)
+        fake.gate.clear()
+        first = asyncio.ensure_future(co.score(_req(1, 0.0), None))  # occupies the slot
+        await asyncio.sleep(0.01)
+        small = [asyncio.ensure_future(co.score(_req(3, 1.0), None)) for _ in range(2)]
+        large = [asyncio.ensure_future(co.score(_req(b, 2.0), None)) for b in (20, 30)]
+        await asyncio.sleep(0.01)
+        assert fake.calls == [1, 20, 30] and co.in_flight == 3  # sent while the slot is held
+        fake.gate.set()
+        results = await asyncio.gather(first, *small, *large)
+        assert fake.calls == [1, 20, 30, 6]  # the small ones merged behind the slot
+        assert [len(s) for s, _ in results] == [1, 3, 3, 20, 30] and co.in_flight == 0
+
+    asyncio.run(scenario())
+
+
 def test_an_expired_member_fails_alone_and_errors_reach_every_member() -> None:
     async def scenario() -> None:
         fake = FakeBackend()

@@ -63,7 +63,7 @@ class Load:
             t = time.monotonic()
             try:
                 reply, call = self.stub.Score.with_call(self.request, timeout=10)
-                backend = dict(call.initial_metadata()).get("x-recsys-backend", "?")
+                backend = dict(call.trailing_metadata()).get("x-recsys-backend", "?")
                 scores = np.asarray(reply.scores)
                 good = scores.shape == self.expected.shape and np.allclose(
                     scores, self.expected, atol=1e-6, rtol=0

@@ -254,7 +254,7 @@ def test_answers_say_what_scored_them(
     exported: tuple[Path, Path, str],
     torchserve: tuple[TorchServeConfig, subprocess.Popen[bytes]],
 ) -> None:
-    """recsys.v1 answers name the backend and its device, variant and dtype in their initial
+    """recsys.v1 answers name the backend and its device, variant and dtype in their trailing
     metadata (KServe v2's, in the response's parameters: tests/serving/test_kserve.py). Last in
     the module: its call is not one of the N_OK the counting tests expect."""
     s = np.load(exported[0] / "sample.npz")
@@ -262,6 +262,6 @@ def test_answers_say_what_scored_them(
     md = (("authorization", f"Bearer {TOKEN}"),)
     with grpc.insecure_channel(gateway[0]) as ch:
         _, call = ranker_pb2_grpc.RankerStub(ch).Score.with_call(good, metadata=md, timeout=10)
-    headers = dict(call.initial_metadata())
+    headers = dict(call.trailing_metadata())
     assert headers["x-recsys-backend"] == torchserve[0].grpc_inference_target
     assert headers["x-recsys-served"] == "device=cpu variant=int8 dtype=int8"
