@@ -88,8 +88,10 @@ class ChaosConfig:
     """TorchServe workers per replica (kill-workers kills them all)."""
     pause_s: float = 5.0
     """How long pause-replica keeps a replica stopped (SIGSTOP ... SIGCONT)."""
-    warmup_s: float = 5.0
-    """Load seconds before a gateway's RSS baseline is taken."""
+    warmup_s: float = 30.0
+    """Load seconds before a gateway's RSS baseline is taken: its warm-up ramp is over by then
+    (+4 MB in the first 25 s, then flat for 4 minutes without faults: docs/chaos.md), so what
+    grows after it is what a leak would grow."""
     recover_timeout_s: float = 120.0
     """Longest wait for a component to be ready again (and for the stack to start)."""
     out: Path | None = None
