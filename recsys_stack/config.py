@@ -176,16 +176,19 @@ def load(
     path: str | Path | None = None,
     overrides: Sequence[str] = (),
     environ: Mapping[str, str] | None = None,
+    base: Mapping[str, Any] | None = None,
 ) -> T:
-    """Defaults < TOML file < environment < ``section.key=value`` overrides, type-checked.
+    """Defaults < ``base`` < TOML file < environment < ``section.key=value`` overrides,
+    type-checked.
 
     ``environ``: the variables to read (default ``os.environ``; pass ``{}`` to ignore them).
+    ``base``: values under the file's (e.g. a checkpoint's recorded config).
     Errors name the source: the file, the variable, or "command line".
     """
     environ = os.environ if environ is None else environ
-    raw: dict[str, Any] = {}
+    raw: dict[str, Any] = dict(base or {})
     if path is not None:
-        raw = read_toml(path)
+        raw = merge(raw, read_toml(path))
         try:
             build(cls, raw)
         except ConfigError as e:

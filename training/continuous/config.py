@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,23 +133,8 @@ def recorded_config(run_dir: Path, resume: str) -> dict[str, Any]:
 def load(base: dict[str, Any], path: Path | None, overrides: Sequence[str]) -> ContinuousConfig:
     """``base`` < ``path`` < environment < ``overrides``, type-checked and validated; an error
     names where the bad key came from (the file, the variables or the command line)."""
-    cls = ContinuousConfig
-    raw = dict(base)
     with config_errors():
-        sources: list[tuple[str, list[dict[str, Any]]]] = []
-        if path is not None:
-            sources.append((str(path), [shared.read_toml(path)]))
-        env = shared.env_values(cls, os.environ)
-        if env:
-            sources.append(("environment " + ", ".join(v for v, _ in env), [d for _, d in env]))
-        sources.append(("command line", [shared.parse_override(cls, o) for o in overrides]))
-        for where, parts in sources:
-            for part in parts:
-                raw = shared.merge(raw, part)
-            try:
-                cfg = shared.build(cls, raw)
-            except shared.ConfigError as e:
-                raise ConfigError(f"{where}: {e}") from None
+        cfg = shared.load(ContinuousConfig, path, overrides, base=base)
     cfg.validate()
     return cfg
 
