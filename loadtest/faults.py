@@ -25,7 +25,6 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any
 import psutil
 
 from serving.gateway.config import GatewayConfig
+from serving.tools import canary
 from serving.tools.supervisor import launch_gateway
 from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig
@@ -231,13 +231,7 @@ COUNTERS = {
 
 def scrape_counts(text: str) -> dict[str, float]:
     """:data:`COUNTERS` summed over their labels, from Prometheus' text format."""
-    out = dict.fromkeys(COUNTERS, 0.0)
-    for line in text.splitlines():
-        name = line.partition("{")[0] if "{" in line else line.partition(" ")[0]
-        for key, series in COUNTERS.items():
-            if name == series:
-                out[key] += float(line.rsplit(" ", 1)[1])
-    return out
+    return {key: sum(v for _, v in canary.samples(text, name)) for key, name in COUNTERS.items()}
 
 
 def sample_rss(c: Cluster) -> None:
@@ -247,12 +241,9 @@ def sample_rss(c: Cluster) -> None:
         if gw.proc.poll() is None:
             with contextlib.suppress(psutil.Error):
                 gw.rss.append((now, psutil.Process(gw.proc.pid).memory_info().rss))
-            url = f"http://127.0.0.1:{gw.cfg.metrics.port}/metrics"
-            with (
-                contextlib.suppress(OSError, ValueError, IndexError),
-                urllib.request.urlopen(url, timeout=0.5) as r,
-            ):
-                gw.counts = scrape_counts(r.read().decode())
+            text = canary.scrape(f"http://127.0.0.1:{gw.cfg.metrics.port}/metrics", timeout=0.5)
+            with contextlib.suppress(ValueError):  # a text cut short: the next sample reads it
+                gw.counts = scrape_counts(text) if text else gw.counts
 
 
 def stop_all(c: Cluster) -> None:

@@ -45,7 +45,8 @@ def scrape(url: str, timeout: float = 5.0) -> str | None:
     return text
 
 
-def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """``(labels, value)`` of every sample named ``name`` in Prometheus text."""
     return [
         (s.labels, s.value)
         for family in text_string_to_metric_families(text)
@@ -57,14 +58,14 @@ def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
 def plan_generation(text: str, plan_file: Path) -> int | None:
     """The generation of ``plan_file`` the gateway applied (None: it runs another plan file)."""
     mine = str(Path(plan_file).resolve())
-    found = [v for labels, v in _samples(text, PLAN_GENERATION) if labels.get("plan") == mine]
+    found = [v for labels, v in samples(text, PLAN_GENERATION) if labels.get("plan") == mine]
     return int(found[0]) if found else None
 
 
 def outcomes(text: str) -> Outcomes:
     """Each version's requests and errors (non-OK codes) from the gateway's metrics text."""
     out: Outcomes = {}
-    for labels, value in _samples(text, VERSION_REQUESTS):
+    for labels, value in samples(text, VERSION_REQUESTS):
         version = labels.get("model_version", "")
         total, errors = out.get(version, (0.0, 0.0))
         out[version] = (total + value, errors + (value if labels.get("code") != "OK" else 0.0))
