@@ -276,17 +276,13 @@ class BackendPool:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
 
     def _hedge_target(self, version: str, tried: set[int]) -> Backend | None:
-        """Where a hedge of a call goes now: the replica in rotation with the fewest calls in
-        flight, not tried, neither cordoned nor stalled unless all are; None when there is
-        none or the budget is spent."""
-        others = [j for j in range(len(self.backends)) if j not in tried]
-        for rank in (0, 1):
-            ready = [j for j in others if self._rank(self.backends[j], version) <= rank]
-            if ready:
-                if not self.hedger.spend():
-                    return None
-                return self.backends[min(ready, key=lambda j: self.backends[j].in_flight)]
-        return None
+        """Where a hedge of a call goes now: :meth:`pick`'s choice when it is in rotation (a
+        stalled or cordoned one only when no other is); None when there is none or the budget
+        is spent."""
+        i = self.pick(tried, version)
+        if i is None or self._rank(self.backends[i], version) > 1 or not self.hedger.spend():
+            return None
+        return self.backends[i]
 
     def _start(self, backend: Backend, request: bytes, timeout: float | None = None) -> Any:
         """One ``Predictions`` call of a serialized request, started (the grpc call object,
