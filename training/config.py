@@ -274,6 +274,14 @@ class RunArgs:
     prepare_only: bool
 
 
+def add_run_args(p: argparse.ArgumentParser, resume: str) -> None:
+    """The options every command that trains a run takes: ``--run-dir``, ``--resume`` (its
+    help: ``resume``) and ``--no-progress``."""
+    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<preset name>)")
+    p.add_argument("--resume", default="auto", help=resume)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The training command line: run options, ``--config``, a flag per field, overrides."""
     p = shared.ArgumentParser(
@@ -286,15 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
         usage="%(prog)s [--config FILE.toml] [options] [section.key=value ...]",
         epilog=_epilog(),
     )
-    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<preset name>)")
-    p.add_argument("--data", help="Criteo TSV file or folder (same as data.path=..., wins over it)")
-    p.add_argument(
-        "--resume",
-        default="auto",
-        help="'auto' (default): continue from <run-dir>/checkpoints/latest if present; "
+    add_run_args(
+        p,
+        resume="'auto' (default): continue from <run-dir>/checkpoints/latest if present; "
         "'none': start fresh; or a checkpoint directory",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    p.add_argument("--data", help="Criteo TSV file or folder (same as data.path=..., wins over it)")
     p.add_argument(
         "--prepare-only",
         action="store_true",

@@ -22,7 +22,7 @@ from typing import Any
 from recsys_stack import config as shared
 from recsys_stack.config import env_field
 from training import checkpoint
-from training.config import Config, config_errors
+from training.config import Config, add_run_args, config_errors
 from training.errors import ConfigError, RecsysError
 
 SERVE_DIR_ENV = "RECSYS_SERVE_DIR"  # the running stack's state folder (make serve's)
@@ -104,16 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         usage="%(prog)s --run-dir RUN --data-dir DIR [--follow] [options] [section.key=value ...]",
     )
-    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<preset name>)")
-    p.add_argument("--data-dir", help="the folder files arrive in (= continuous.data_dir=...)")
-    p.add_argument("--follow", action="store_true", help="keep polling (= continuous.follow)")
-    p.add_argument(
-        "--resume",
-        default="auto",
-        help="'auto' (default): the run's checkpoints/latest, or a fresh model from the config "
+    add_run_args(
+        p,
+        resume="'auto' (default): the run's checkpoints/latest, or a fresh model from the config "
         "when it has none; 'none': a fresh model; or a checkpoint directory to warm-start from",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    p.add_argument("--data-dir", help="the folder files arrive in (= continuous.data_dir=...)")
+    p.add_argument("--follow", action="store_true", help="keep polling (= continuous.follow)")
     shared.add_config_args(p, ContinuousConfig)
     return p
 
