@@ -182,7 +182,13 @@ def test_a_paused_replica_costs_its_callers_a_hedge_not_a_deadline(
     SIGCONT it serves again (issue 20, hedged calls)."""
     with two_replicas_under_load(exported, tmp_path) as r:
         load, procs, ta, tb = r.load, r.procs, r.ta, r.tb
-        time.sleep(1)  # more answered calls: the tail the hedges wait for
+        # answered calls: the tail the hedges wait for, and the budget they spend (every call
+        # earns 0.05 of a hedge, one to start: the 3 callers' calls stuck on the paused
+        # replica need 3). A fixed sleep gave too few calls on a loaded machine: the last
+        # stuck call then waited ~0.5 s for the budget to refill.
+        deadline = time.monotonic() + 30
+        while len(load.records) < 100 and time.monotonic() < deadline:
+            time.sleep(0.05)
         t_pause = time.monotonic()
         os.killpg(procs["a"].pid, signal.SIGSTOP)
         time.sleep(3)
