@@ -13,6 +13,7 @@ import contextlib
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ import grpc
 import numpy as np
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from recsys_stack.net import free_ports
 from serving.gateway.config import ChannelConfig, GatewayConfig
@@ -181,3 +183,25 @@ def stack(
     export, store, _ = exported
     with running_stack(export, store, tmp_path_factory.mktemp("gw")) as st:
         yield st
+
+
+def gateway_metrics(
+    port: int, timeout: float = 10.0
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The gateway's ``/metrics`` on ``port`` as {(sample name, sorted labels): value}, read once
+    no call is in flight: a refused call's status reaches its client before the gateway counts
+    it (serving/gateway/metrics.py), so counters read right after the calls may lag by one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            got = {
+                (s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(r.read().decode())
+                for s in family.samples
+            }
+        if (
+            got.get(("recsys_gateway_in_flight_requests", ()), 0.0) == 0
+            or time.monotonic() > deadline
+        ):
+            return got
+        time.sleep(0.05)

@@ -9,7 +9,9 @@ Exported (prefix ``recsys_gateway_``):
 
 - ``requests_total{method,code}``, ``request_seconds{method}``: every unary call, counted by
   :class:`MetricsInterceptor` with the status code it ended with (UNAUTHENTICATED included).
-- ``in_flight_requests``: unary calls being served now.
+- ``in_flight_requests``: unary calls being served now. An aborted call's status reaches its
+  client before the call is counted (grpc.aio sends it from ``abort``); once this reads 0,
+  every answered call is in the counters.
 - ``examples_per_request``: examples in each valid ``Score`` request.
 - ``backend_call_examples``, ``backend_call_requests``: size of each TorchServe call after
   coalescing (examples, and requests merged into it); ``backend_calls_in_flight``.
@@ -298,13 +300,13 @@ class MetricsInterceptor(WrappingInterceptor):
                 code = context.code() or grpc.StatusCode.UNKNOWN
                 raise
             finally:
-                m.serving_now -= 1
                 latency.observe(time.perf_counter() - t0)
                 counter = by_code.get(code)
                 if counter is None:
                     name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
                     counter = by_code[code] = requests.labels(method, name)
                 counter.inc()
+                m.serving_now -= 1  # last: in_flight 0 means every answered call is counted
 
         make = (
             grpc.unary_unary_rpc_method_handler

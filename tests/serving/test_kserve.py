@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,6 @@ import pytest
 import tritonclient.grpc as triton
 from google.protobuf import descriptor_pool
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -26,7 +24,14 @@ from serving.gateway import kserve
 from serving.gateway.config import AuthConfig, MetricsConfig
 from serving.gateway.validate import InvalidRequest
 from serving.stubs import kserve_pb2
-from tests.stack import Stack, running_stack, start_gateway, stop_gateway, wait_status
+from tests.stack import (
+    Stack,
+    gateway_metrics,
+    running_stack,
+    start_gateway,
+    stop_gateway,
+    wait_status,
+)
 
 B = 1000  # sample.npz's rows = the gateway's default max_examples
 
@@ -234,10 +239,7 @@ def test_no_token_is_unauthenticated_and_calls_are_counted(
         with pytest.raises(InferenceServerException):
             client.infer(served[0], _inputs(stack.rows, dense=_nan(stack.rows["dense"])),
                          headers=good)  # fmt: skip
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-            families = text_string_to_metric_families(r.read().decode())
-        got = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in families for s in f.samples}  # fmt: skip
+        got = gateway_metrics(metrics_port)
 
         def calls(code: str) -> float:
             key = (("code", code), ("method", "/inference.GRPCInferenceService/ModelInfer"))

@@ -24,7 +24,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from recsys_stack.net import free_ports
 from serving.gateway import metrics
@@ -35,7 +34,7 @@ from serving.tools.client import build_request
 from serving.torchserve.config import TorchServeConfig
 from serving.worker.codec import to_rows
 from tests.conftest import ROOT, _env
-from tests.stack import start_gateway, stop_gateway, wait_status
+from tests.stack import gateway_metrics, start_gateway, stop_gateway, wait_status
 
 pytestmark = pytest.mark.slow
 TOKEN = "metrics-test-token-" + "x" * 16
@@ -68,17 +67,6 @@ def test_the_client_side_needs_no_prometheus_client() -> None:
         timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """``GET url`` -> {(sample name, sorted labels): value}."""
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +119,7 @@ def test_endpoint_counts_the_tests_own_calls(
     exported: tuple[Path, Path, str],
     torchserve: tuple[TorchServeConfig, subprocess.Popen[bytes]],
 ) -> None:
-    got = scrape(f"http://127.0.0.1:{gateway[1]}/metrics")
+    got = gateway_metrics(gateway[1])
 
     def value(name: str, **labels: str) -> float:
         return got.get((f"recsys_gateway_{name}", tuple(sorted(labels.items()))), 0.0)
