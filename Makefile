@@ -38,7 +38,7 @@ setup: $(VENV)/.installed  ## create .venv from requirements/lock.txt (CPU fbgem
 # they are pinned by version here. On CPU torch's own requirements are already in the lock.
 TORCH_PINS := torch==2.13.0 torchrec==1.8.0
 DEVICE_REQS := $(if $(filter fbgemm-gpu-cpu%,$(FBGEMM)),requirements/device-cpu.txt)
-$(VENV)/.installed: requirements/lock.txt requirements/device-cpu.txt pyproject.toml
+$(VENV)/.installed: requirements/lock.txt requirements/device-cpu.txt pyproject.toml serving/gateway/_fastwire.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --require-hashes --no-deps -r requirements/lock.txt
 	$(if $(DEVICE_REQS),$(PY) -m pip install -q --require-hashes --no-deps -r $(DEVICE_REQS),\
@@ -173,16 +173,17 @@ bench-scale: setup  ## export/serving vs table size (SCALE_ARGS), preprocessing 
 	$(if $(filter serving,$(SCALE_STAGES)),$(PY) -m serving.bench.scale $(SCALE_ARGS))
 	$(if $(filter training,$(SCALE_STAGES)),$(PY) -m training.bench_scale $(SCALE_TRAIN_ARGS))
 
-test: setup test-deps  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
+test: test-deps setup  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # System tools the suite runs for real: docker-compose (tests/deploy validates the compose file
-# with `docker-compose config`, no engine needed) and prometheus (it scrapes the live stack).
+# with `docker-compose config`, no engine needed), prometheus (it scrapes the live stack) and gcc
+# (setup, run after this, builds the gateway's native decoder; the suite tests it and its twin).
 # Installed with apt when missing (as root, or with passwordless sudo); otherwise the target
 # fails with the command to run: the suite never skips them.
-TEST_TOOLS := docker-compose prometheus
+TEST_TOOLS := docker-compose prometheus gcc
 .PHONY: test-deps
-test-deps:  ## install the system tools the suite needs (apt: docker-compose, prometheus)
+test-deps:  ## install the system tools the suite needs (apt: docker-compose, prometheus, gcc)
 	@missing=""; for t in $(TEST_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" -eq 0 ]; then sudo_=""; elif sudo -n true 2>/dev/null; then sudo_="sudo"; \

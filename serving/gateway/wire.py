@@ -19,6 +19,11 @@ model has features is INVALID_ARGUMENT the moment the one too many is seen (a 4 
 two million empty features once cost 4.6 s of CPU here), on the fast path and before protobuf's
 objects are walked on the slow one. Shapes: ``B`` examples, ``D`` dense, ``F`` sparse features, ``N`` ids.
 
+The walk and the varints have a native twin, ``serving.gateway._fastwire`` (C, built by
+``pip install`` when a compiler is there): :func:`columns_of` takes it when it is built, and
+this module's numpy path otherwise; both give the same answer for every input (tests compare
+them on random, crafted and fuzzed bytes).
+
 The other messages of a call skip protobuf's objects too: :func:`score_response` writes the
 ``ScoreResponse`` bytes, :func:`prediction_of` slices TorchServe's answer out of its
 ``PredictionResponse``.
@@ -42,6 +47,11 @@ from serving.gateway.varint import SMALL_BYTES, decode_fields, read_varint
 from serving.stubs import ranker_pb2
 from serving.torchserve.client import inference_pb2
 from serving.worker.codec import Arrays
+
+try:  # the native twin of parse + _columns; absent when no C compiler built it
+    from serving.gateway import _fastwire
+except ImportError:  # pragma: no cover - depends on the install
+    _fastwire = None  # type: ignore[assignment]
 
 # tags: (field number << 3) | wire type (0 = varint, 2 = length-delimited)
 NUM_EXAMPLES, DENSE, SPARSE, MODEL_VERSION = 0x08, 0x12, 0x1A, 0x22
@@ -173,11 +183,16 @@ def decode_score_request(buf: bytes, schema: Schema, limits: Limits) -> tuple[Ar
             f"request is {len(buf)} bytes; the limit is {limits.max_request_bytes}"
         )
     features = len(schema.sparse)
-    parsed = parse(buf, features)
-    if parsed is not None and (small := _small(parsed, schema, limits)) is not None:
-        return small, parsed[3]
-    cols = None if parsed is None else _columns(parsed)
-    if parsed is None or cols is None:  # not the canonical encoding: protobuf decides
+    if _fastwire is not None:
+        got = columns_of(buf, features)
+        cols, version = got if got is not None else (None, "")
+    else:
+        parsed = parse(buf, features)
+        if parsed is not None and (small := _small(parsed, schema, limits)) is not None:
+            return small, parsed[3]
+        cols = None if parsed is None else _columns(parsed)
+        version = "" if parsed is None else parsed[3]
+    if cols is None:  # not the canonical encoding: protobuf decides
         # num_examples, model_version, every feature, and every dense value in its own field
         _bound_fields(buf, features, 2 + features + limits.max_examples * len(schema.dense))
         try:
@@ -187,7 +202,37 @@ def decode_score_request(buf: bytes, schema: Schema, limits: Limits) -> tuple[Ar
                 f"the request is not a valid recsys.v1.ScoreRequest: {e}"
             ) from None
         return validate_columns(columns(request), schema, limits), request.model_version
-    return validate_columns(cols, schema, limits), parsed[3]
+    return validate_columns(cols, schema, limits), version
+
+
+def columns_of(
+    buf: bytes, max_features: int | None = None, native: bool = True
+) -> tuple[Columns, str] | None:
+    """A canonically encoded ScoreRequest -> (its :class:`Columns`, model_version); None when
+    the bytes are anything else. Raises :class:`InvalidRequest` at the first ``sparse`` entry
+    beyond ``max_features``. ``native``: the C twin when it is built (else numpy)."""
+    if not native or _fastwire is None:
+        parsed = parse(buf, max_features)
+        if parsed is None or (cols := _columns(parsed)) is None:
+            return None
+        return cols, parsed[3]
+    got = _fastwire.columns(buf, -1 if max_features is None else max_features)
+    if got is None:
+        return None
+    if isinstance(got, int):
+        check_feature_count(got, max_features)
+        raise AssertionError(f"_fastwire stopped at {got} features under the bound")
+    b, at, size, version, names, ids, per, lengths, entries = got
+    cols = Columns(
+        examples=b,
+        dense=np.frombuffer(buf, "<f4", size // 4, at),
+        names=names,
+        ids=np.frombuffer(ids, np.int64),
+        ids_per_feature=np.frombuffer(per, np.int64),
+        lengths=np.frombuffer(lengths, np.int64),
+        entries=np.frombuffer(entries, np.int64),
+    )
+    return cols, version
 
 
 def _small(parsed: Parsed, schema: Schema, limits: Limits) -> Arrays | None:
@@ -241,8 +286,8 @@ def peek_examples(buf: bytes) -> int:
 def columns_from_bytes(buf: bytes) -> Columns | None:
     """A canonically encoded ScoreRequest as :class:`Columns`; None when the bytes are
     anything else (the caller parses them with protobuf instead)."""
-    parsed = parse(buf)
-    return None if parsed is None else _columns(parsed)
+    got = columns_of(buf)
+    return None if got is None else got[0]
 
 
 def _columns(parsed: Parsed) -> Columns | None:

@@ -2,7 +2,8 @@
 
 The fast path must never disagree with protobuf: on canonical requests it must produce the same
 columns; on anything else (random bytes, mutations, unpacked fields) the gateway's decoder must
-give the same arrays or the same refusal as protobuf + validation would.
+give the same arrays or the same refusal as protobuf + validation would. Every test runs twice:
+with the native walk (``serving.gateway._fastwire``, built by ``make setup``) and with numpy's.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import time
 import numpy as np
 import pytest
 
-from serving.gateway import varint
+from serving.gateway import varint, wire
 from serving.gateway.validate import InvalidRequest, Limits, Schema, columns, validate
 from serving.gateway.varint import read_varint, varints
 from serving.gateway.wire import (
     _small,
     columns_from_bytes,
+    columns_of,
     decode_score_request,
     parse,
     peek_examples,
@@ -32,6 +34,22 @@ SCHEMA = Schema(
     "m", "1", tuple(f"I{i}" for i in range(1, 14)), tuple(f"C{i}" for i in range(1, 27))
 )
 LIMITS = Limits(max_examples=1000, max_ids_per_feature=64)
+NATIVE = wire._fastwire
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The gateway's decoder with its native walk, then without it (as where no C compiler
+    built it)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(wire, "_fastwire", None)
+    return str(request.param)
+
+
+def test_the_native_walk_is_built() -> None:
+    """``make setup`` compiles serving/gateway/_fastwire.c (pip, with the C compiler the
+    suite's machines have): the suite must run the native path, not only the fallback."""
+    assert NATIVE is not None, "serving.gateway._fastwire is not built: run `make setup` with gcc"
 
 
 def random_request(rng: np.random.Generator) -> ranker_pb2.ScoreRequest:
@@ -126,6 +144,48 @@ def test_any_bytes_are_decoded_or_refused_like_protobuf(seed: int) -> None:
             assert ref[1] == ours[1]
             for a, b in zip(ref[0], ours[0], strict=True):
                 assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def _walk(data: bytes, native: bool) -> object:
+    """columns_of's answer as comparable values: None, 'invalid', or the columns."""
+    try:
+        got = columns_of(data, len(SCHEMA.sparse), native=native)
+    except InvalidRequest as e:
+        return f"invalid: {e}"
+    if got is None:
+        return None
+    c, version = got
+    return (c.examples, c.names, version, *(getattr(c, k).tobytes() for k in
+            ("dense", "ids", "ids_per_feature", "lengths", "entries")))  # fmt: skip
+
+
+def test_the_native_and_numpy_walks_agree_on_any_bytes(decoder: str) -> None:
+    """The C twin and the numpy path: the same columns, the same None (not canonical), the
+    same refusal, on valid, mutated, truncated and random bytes and on crafted varints."""
+    if decoder == "numpy" or NATIVE is None:
+        return  # one comparison of the two is enough (and needs the native one)
+    rng = np.random.default_rng(11)
+    crafted = [b"", b"\x08", b"\x08\xff", b"\x08" + b"\xff" * 9 + b"\x01", b"\x08\x80\x80\x80\x80\x10",
+               b"\x22\x02\xc3\x28", b"\x1a\x03\x0a\x01\xff", b"\x1a\x02\x12\x01\x80",
+               b"\x12\x03abc", b"\x1a\x00" * 30, b"\x1a\x02\x0a\x00\x1a\x00"]  # fmt: skip
+    seen = set()
+    for i in range(3000):
+        if i < len(crafted):
+            data = crafted[i]
+        else:
+            data = bytearray(
+                client_request(rng) if i % 2 else random_request(rng).SerializeToString()
+            )
+            if i % 5 == 1 and data:
+                data[int(rng.integers(0, len(data)))] = int(rng.integers(0, 256))
+            elif i % 5 == 2 and data:
+                data = data[: int(rng.integers(0, len(data)))]
+            elif i % 5 == 3:
+                data = bytearray(rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8))
+        native, numpy = _walk(bytes(data), True), _walk(bytes(data), False)
+        assert native == numpy, (bytes(data)[:80], native, numpy)
+        seen.add("none" if native is None else "invalid" if isinstance(native, str) else "ok")
+    assert seen == {"none", "invalid", "ok"}
 
 
 def _varint_bytes(value: int, size: int = 0) -> bytes:
