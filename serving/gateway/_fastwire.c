@@ -23,6 +23,7 @@
 
 enum { NUM_EXAMPLES = 0x08, DENSE = 0x12, SPARSE = 0x1A, MODEL_VERSION = 0x22 };
 enum { NAME = 0x0A, IDS = 0x12, LENGTHS = 0x1A };
+enum { RELEASE_GIL = 16384 }; /* varints (at most) above which the decode releases the GIL */
 
 typedef struct {
     Py_ssize_t name, name_n, ids, ids_n, lengths, lengths_n; /* offsets and sizes in buf */
@@ -232,17 +233,24 @@ static PyObject *columns(PyObject *self, PyObject *args) {
                                                             (int64_t *)PyBytes_AS_STRING(lengths);
     int64_t *per_out = (int64_t *)PyBytes_AS_STRING(per), *ent_out =
                                                               (int64_t *)PyBytes_AS_STRING(entries);
-    Py_ssize_t n_ids = 0, n_lengths = 0;
-    for (Py_ssize_t k = 0; k < nf; k++) {
+    Py_ssize_t n_ids = 0, n_lengths = 0, k = 0;
+    /* a large request's varints decode without the GIL: the gateway's event loop runs on while
+     * an offload thread decodes (only buffers of ours and the caller's held view are touched) */
+    PyThreadState *released = ids_bytes + lengths_bytes > RELEASE_GIL ? PyEval_SaveThread() : NULL;
+    for (; k < nf; k++) {
         Py_ssize_t got = packed(p, fs[k].ids, fs[k].ids_n, end, id_out + n_ids);
         Py_ssize_t got_lengths = packed(p, fs[k].lengths, fs[k].lengths_n, end, len_out + n_lengths);
         if (got < 0 || got_lengths < 0)
-            goto done;
+            break;
         per_out[k] = got;
         ent_out[k] = got_lengths;
         n_ids += got;
         n_lengths += got_lengths;
     }
+    if (released)
+        PyEval_RestoreThread(released);
+    if (k < nf) /* a field that does not end on a complete varint, or one over 10 bytes */
+        goto done;
     if (_PyBytes_Resize(&ids, 8 * n_ids) || _PyBytes_Resize(&lengths, 8 * n_lengths))
         goto fail;
     Py_SETREF(result, Py_BuildValue("(KnnOOOOOO)", (unsigned long long)b, dense, dense_n, v,
