@@ -6,15 +6,19 @@
  * crafted and fuzzed bytes). Built by `pip install` when a C compiler is there; without it the
  * gateway runs the numpy path, which gives the same arrays.
  *
- *   columns(buf, max_features) ->
+ *   columns(buf, max_features, dense_width=-1, max_ids=-1) ->
  *     None   the bytes are not the canonical encoding (the caller asks protobuf),
  *     int    the count of `sparse` entries at which there are too many (max_features + 2;
  *            the caller raises check_feature_count's InvalidRequest),
  *     tuple  (num_examples, dense offset, dense byte count, model_version, [names],
  *             ids i64 bytes, ids per feature i64 bytes, lengths i64 bytes,
- *             lengths entries per feature i64 bytes)
+ *             lengths entries per feature i64 bytes, clean)
  *
  * max_features < 0: no bound. No numpy here: arrays leave as bytes (np.frombuffer reads them).
+ * clean (given dense_width and max_ids >= 0): every value passes validate.py's checks that need
+ * no schema names (num_examples x dense_width finite floats, num_examples lengths per feature,
+ * each within [0, max_ids], adding up to the feature's ids, no negative id). False says only
+ * that validate.py must look; it then names what is wrong, and this module never does.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -142,6 +146,36 @@ static Py_ssize_t packed(const uint8_t *p, Py_ssize_t pos, Py_ssize_t n, Py_ssiz
     return count;
 }
 
+/* validate.py's value checks, all passed (see the top of this file). */
+static int checked(const uint8_t *dense, Py_ssize_t dense_n, uint64_t b, Py_ssize_t width,
+                   Py_ssize_t max_ids, Py_ssize_t nf, const int64_t *ids, const int64_t *per,
+                   const int64_t *lengths, const int64_t *entries) {
+    if ((uint64_t)dense_n != 4 * b * (uint64_t)width)
+        return 0;
+    uint32_t bad = 0;
+    for (Py_ssize_t i = 0; i < dense_n; i += 4) { /* an exponent of all ones: inf or nan */
+        uint32_t f;
+        memcpy(&f, dense + i, 4);
+        bad |= (f & 0x7F800000u) == 0x7F800000u;
+    }
+    int64_t n_ids = 0;
+    for (Py_ssize_t k = 0; k < nf; k++) {
+        if ((uint64_t)entries[k] != b)
+            return 0;
+        int64_t sum = 0;
+        for (uint64_t i = 0; i < b; i++) {
+            int64_t n = *lengths++;
+            bad |= n < 0 || n > max_ids;
+            sum += n & 0xFFFFFFFF; /* bounded once bad is clear: no overflow to care about */
+        }
+        bad |= sum != per[k];
+        n_ids += per[k];
+    }
+    for (int64_t i = 0; i < n_ids; i++)
+        bad |= ids[i] < 0;
+    return !bad;
+}
+
 static PyObject *utf8(const uint8_t *s, Py_ssize_t n) {
     return PyUnicode_DecodeUTF8((const char *)s, n, NULL); /* strict, as str(b, "utf-8") */
 }
@@ -156,8 +190,8 @@ static int append_name(PyObject *names, const uint8_t *s, Py_ssize_t n) {
 static PyObject *columns(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer view;
-    Py_ssize_t max_features;
-    if (!PyArg_ParseTuple(args, "y*n", &view, &max_features))
+    Py_ssize_t max_features, dense_width = -1, max_ids = -1;
+    if (!PyArg_ParseTuple(args, "y*n|nn", &view, &max_features, &dense_width, &max_ids))
         return NULL;
     const uint8_t *p = view.buf;
     Py_ssize_t pos = 0, end = view.len, dense = 0, dense_n = 0;
@@ -253,8 +287,11 @@ static PyObject *columns(PyObject *self, PyObject *args) {
         goto done;
     if (_PyBytes_Resize(&ids, 8 * n_ids) || _PyBytes_Resize(&lengths, 8 * n_lengths))
         goto fail;
-    Py_SETREF(result, Py_BuildValue("(KnnOOOOOO)", (unsigned long long)b, dense, dense_n, v,
-                                    names, ids, per, lengths, entries));
+    int clean = dense_width >= 0 && max_ids >= 0 &&
+                checked(p + dense, dense_n, b, dense_width, max_ids, nf, id_out, per_out, len_out,
+                        ent_out);
+    Py_SETREF(result, Py_BuildValue("(KnnOOOOOOO)", (unsigned long long)b, dense, dense_n, v,
+                                    names, ids, per, lengths, entries, clean ? Py_True : Py_False));
     goto done;
 fail_or_none: /* bytes that are not UTF-8 are not canonical (protobuf names them); else fail */
     if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {

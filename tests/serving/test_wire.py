@@ -246,7 +246,7 @@ def client_request(rng: np.random.Generator) -> bytes:
     return b"\x08" + _varint_bytes(b) + _field(0x12, dense.tobytes()) + features
 
 
-def test_requests_as_clients_send_them_decode_like_protobuf() -> None:
+def test_requests_as_clients_send_them_decode_like_protobuf(decoder: str) -> None:
     """The small-request path (one Python pass) and the general one give protobuf's arrays,
     or its refusal: every flaw falls through to the general path, which names it."""
     rng = np.random.default_rng(7)
@@ -257,6 +257,10 @@ def test_requests_as_clients_send_them_decode_like_protobuf() -> None:
         parsed = parse(data, len(SCHEMA.sparse))
         assert parsed is not None  # canonical
         fast = _small(parsed, SCHEMA, LIMITS)
+        if decoder == "native":  # the C checks pass exactly the valid ones (schema order here)
+            native = wire._native(data, 26, len(SCHEMA.dense), LIMITS.max_ids_per_feature)
+            clean = native is not None and native[2]
+            assert clean == (not isinstance(ref, str)), (data[:60], ref)
         if isinstance(ref, str) or isinstance(ours, str):
             assert ref == ours and fast is None, (data[:60], ref, ours)
             continue
