@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from recsys_stack.config import ConfigError, parse
 from serving.gateway import kserve, metrics
@@ -36,7 +36,7 @@ from serving.gateway.config import GatewayConfig
 from serving.gateway.errors import BackendError, ScoreError
 from serving.gateway.memory import keep_freed_memory
 from serving.gateway.plan import Plan, PlanError, PlanWatcher, ordered, schema_plan
-from serving.gateway.rpc import Chain, add_servicer
+from serving.gateway.rpc import Chain, Routes, add_servicer
 from serving.gateway.validate import InvalidRequest, Schema, clip
 from serving.gateway.wire import decode_score_request, peek_examples, score_response
 from serving.stubs import kserve_pb2, ranker_pb2, ranker_pb2_grpc, reflection_pool
@@ -309,21 +309,25 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     admission = AdmissionInterceptor(ranker.admission, scoring)
     # metrics outermost: refused calls are counted with their code too; admission after auth:
     # an unauthenticated caller learns nothing about the load. One chain: one level per call
-    layers = Chain(metrics.MetricsInterceptor(m), *auth_interceptors(cfg.auth), admission)
-    server = grpc.aio.server(options=options, interceptors=[layers])
+    routes = Routes(Chain(metrics.MetricsInterceptor(m), *auth_interceptors(cfg.auth), admission))
+    server = grpc.aio.server(options=options)  # no interceptors: routes applies the chain
     m.track_in_flight(lambda: ranker.in_flight)
-    add_servicer(server, ranker_pb2_grpc.add_RankerServicer_to_server, ranker, raw=("Score",))
+    add_servicer(routes, ranker_pb2_grpc.add_RankerServicer_to_server, ranker, raw=("Score",))
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, routes)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    kserve.add_to_server(ranker, server)  # KServe v2, same port and scoring path
+    kserve.add_to_server(ranker, routes)  # KServe v2, same port and scoring path
     names = (SERVICE, kserve.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
     descriptors = reflection_pool(
         ranker_pb2.DESCRIPTOR, kserve_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR,
         reflection_pb2.DESCRIPTOR,
     )  # fmt: skip
-    reflection.enable_server_reflection(names, server, pool=descriptors)
+    # what enable_server_reflection does for a grpc.aio server (it checks the server's type)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        reflection.aio.ReflectionServicer(names, pool=descriptors), routes
+    )
+    server.add_generic_rpc_handlers((routes,))
     address = f"{cfg.host}:{cfg.port}"
     if credentials is None:
         port = server.add_insecure_port(address)
