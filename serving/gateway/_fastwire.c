@@ -96,10 +96,10 @@ static int feature(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, Feature *f)
 static inline int word_varint(const uint8_t *at, uint64_t *out) {
     uint64_t w;
     memcpy(&w, at, 8);
-    uint64_t stops = ~w & 0x8080808080808080ULL;
-    if (!stops)
+    uint64_t ends = ~w & 0x8080808080808080ULL; /* the top bit of each byte that ends one */
+    if (!ends)
         return 0;
-    int size = (__builtin_ctzll(stops) >> 3) + 1;
+    int size = (__builtin_ctzll(ends) >> 3) + 1;
     uint64_t x = w & 0x7F7F7F7F7F7F7F7FULL;
     if (size < 8)
         x &= (1ULL << (8 * size)) - 1;
