@@ -77,9 +77,17 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
         for x in chosen
         if x != FLOOR or c == 1
     }
+    warm = min(4, max(cfg.concurrency))
     for x, connect in connects.items() if cfg.warmup else ():
         for p in payloads.values():
-            run_cell(connect, p, 1 if x == FLOOR else min(4, max(cfg.concurrency)), cfg.warmup)
+            run_cell(connect, p, 1 if x == FLOOR else warm, cfg.warmup)
+    for x, connect in connects.items() if cfg.warmup_s else ():
+        if x != FLOOR:
+            logger.info("warming %s for %.0f s", x, cfg.warmup_s)
+            end = time.monotonic() + cfg.warmup_s
+            while time.monotonic() < end:
+                for p in payloads.values():
+                    run_cell(connect, p, warm, 8 * warm)
     servers_of = _servers_of(up.get("procs", {}))
     with progress(total=cfg.rounds * len(cells), desc="cells", unit="cell") as bar:
         for _ in range(cfg.rounds):
@@ -174,7 +182,7 @@ def describe(
             "table_rows": [t["rows"] for t in model.schema.get("tables", [])],
         },
         "sizes": cfg.sizes, "concurrency": cfg.concurrency,
-        "requests_per_cell_and_round": cfg.requests, "rounds": cfg.rounds,
+        "requests_per_cell_and_round": cfg.requests, "rounds": cfg.rounds, "warmup_s": cfg.warmup_s,
         "methods": per,
     }  # fmt: skip
 

@@ -61,7 +61,7 @@ def test_a_tiny_run_measures_every_method_at_every_cell(
     out = tmp_path / "bench.json"
     args = [
         "--export", str(export), "--model-store", str(store), "--sizes", "[1, 10]",
-        "--concurrency", "[1, 2]", "--requests", "4", "--rounds", "1", "--warmup", "2",
+        "--concurrency", "[1, 2]", "--requests", "4", "--rounds", "1", "--warmup", "2", "--warmup-s", "0.5",
         "--json", str(out),
     ]  # fmt: skip
     proc = subprocess.run(
