@@ -15,7 +15,7 @@ them from a generic handler, so the server needs no grpc interceptor at all.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import grpc
@@ -97,26 +97,17 @@ def add_servicer(
     return capture.service
 
 
-class HandlerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class HandlerInterceptor:
     """An interceptor that only picks the handler of a call (:meth:`apply`, synchronous), so
-    that several run as one (:class:`Chain`)."""
+    that several run as one (:class:`Chain`) from :class:`Routes`' lookup."""
 
     def apply(self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler) -> Any:
         """The handler this interceptor makes of ``handler`` for the call ``details``."""
         raise NotImplementedError
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        return None if handler is None else self.apply(details, handler)  # None: UNIMPLEMENTED
-
 
 class Chain(HandlerInterceptor):
-    """Several :class:`HandlerInterceptor` as one: grpc awaits a coroutine per interceptor on
-    every call, this chain looks the handler up once and passes it through each, innermost
+    """Several :class:`HandlerInterceptor` as one: the handler passes through each, innermost
     first. Listed outermost first, like ``grpc.aio.server(interceptors=...)``."""
 
     def __init__(self, *layers: HandlerInterceptor) -> None:

@@ -94,15 +94,12 @@ def test_each_refused_caller_is_told_its_own_reason(tmp_path: Path) -> None:
     auth = AuthInterceptor(TokenFile(tmp_path / "tokens"), protect_health=True)
     handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
 
-    async def continuation(details: Any) -> grpc.RpcMethodHandler:
-        return handler
-
     class Details:
         def __init__(self, md: tuple[tuple[str, str], ...]) -> None:
             self.method, self.invocation_metadata = "/recsys.v1.Ranker/Score", md
 
     async def refusal(md: tuple[tuple[str, str], ...]) -> str:
-        denier = await auth.intercept_service(continuation, Details(md))
+        denier = auth.apply(Details(md), handler)
         with pytest.raises(_Aborted) as e:
             await denier.unary_unary(None, _Context())
         return str(e.value.args[1])
