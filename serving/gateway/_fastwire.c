@@ -33,14 +33,6 @@ typedef struct {
     Py_ssize_t name, name_n, ids, ids_n, lengths, lengths_n; /* offsets and sizes in buf */
 } Feature;
 
-/* Bytes below 0x80 in [p, p + n): an upper bound on the varints there (each ends on one). */
-static Py_ssize_t stops(const uint8_t *p, Py_ssize_t n) {
-    Py_ssize_t count = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        count += p[i] < 0x80;
-    return count;
-}
-
 /* A varint at *pos (below end) -> 0 and *out, or -1: cut, over 10 bytes, or (strict) over 64
  * bits. Not strict, a 10th byte adds its lowest bit only, as the numpy decoder does. */
 static int varint(const uint8_t *p, Py_ssize_t *pos, Py_ssize_t end, uint64_t *out, int strict) {
@@ -238,8 +230,8 @@ static PyObject *columns(PyObject *self, PyObject *args) {
                 goto done;
             if (append_name(names, p + fs[nf].name, fs[nf].name_n))
                 goto fail_or_none;
-            ids_bytes += stops(p + fs[nf].ids, fs[nf].ids_n);
-            lengths_bytes += stops(p + fs[nf].lengths, fs[nf].lengths_n);
+            ids_bytes += fs[nf].ids_n;
+            lengths_bytes += fs[nf].lengths_n;
             nf++;
         } else if (tag == DENSE && !seen_dense && n % 4 == 0) {
             dense = pos;
@@ -285,11 +277,13 @@ static PyObject *columns(PyObject *self, PyObject *args) {
         PyEval_RestoreThread(released);
     if (k < nf) /* a field that does not end on a complete varint, or one over 10 bytes */
         goto done;
-    if (_PyBytes_Resize(&ids, 8 * n_ids) || _PyBytes_Resize(&lengths, 8 * n_lengths))
-        goto fail;
     int clean = dense_width >= 0 && max_ids >= 0 &&
                 checked(p + dense, dense_n, b, dense_width, max_ids, nf, id_out, per_out, len_out,
                         ent_out);
+    /* sized by bytes (a varint is one at least): cut to the values decoded, which may move
+     * them (id_out and len_out are stale from here) */
+    if (_PyBytes_Resize(&ids, 8 * n_ids) || _PyBytes_Resize(&lengths, 8 * n_lengths))
+        goto fail;
     Py_SETREF(result, Py_BuildValue("(KnnOOOOOOO)", (unsigned long long)b, dense, dense_n, v,
                                     names, ids, per, lengths, entries, clean ? Py_True : Py_False));
     goto done;
