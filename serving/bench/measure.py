@@ -37,6 +37,12 @@ class Cell:
     cpu_s: dict[str, float] = field(default_factory=dict)
     """CPU seconds each server process group spent in this cell's calls, and ``client``: the
     benchmark process (its client threads, with their connection and one warm-up call each)."""
+    machine_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    """Busy and all CPU seconds of the whole machine (every core) during this cell's calls."""
+
+    def add_machine(self, busy: float, total: float) -> None:
+        self.machine_s[0] += busy
+        self.machine_s[1] += total
 
     def add_cpu(self, spent: dict[str, float]) -> None:
         for part, seconds in spent.items():
@@ -60,6 +66,7 @@ class Cell:
             "requests_per_s": done / self.wall_s if self.wall_s else 0.0,
             "errors": self.errors,
             "cpu_ms_per_request": {part: 1e3 * s / done for part, s in self.cpu_s.items() if done},
+            "machine_busy": self.machine_s[0] / self.machine_s[1] if self.machine_s[1] else None,
         }
 
 

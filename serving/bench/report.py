@@ -5,6 +5,8 @@ p50: lower is better); ``efficiency`` = examples/s / ``in-process`` examples/s a
 request size (in-process runs one caller: the floor's rate on a worker's threads). ``server
 CPU ms/req``: CPU time the servers' process groups (gateway; TorchServe's launcher, Java
 frontend and workers) spent during the cell's timed calls, per request: where the time goes.
+``busy``: the share of the machine's cores (every process) busy during the cell's calls; below
+~100% the cell was not CPU-bound, so its examples/s waited on something else.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'examples':>8} {'conc':>4}  {'method':<17} {'p50 ms':>8} {'p99 ms':>8} {'examples/s':>11}"
         f" {'req/s':>8} {'ex/s vs plain':>13} {'p50 vs plain':>12} {'efficiency':>10} {'errors':>6}"
+        f" {'busy':>5}"
         f"  {'CPU ms/req: client | servers':<24}"
     )
     lines = [head, "-" * len(head)]
@@ -68,7 +71,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['examples']:>8} {r['concurrency']:>4}  {r['method']:<17} {r['p50_ms']:>8.2f}"
             f" {r['p99_ms']:>8.2f} {r['examples_per_s']:>11,.0f} {r['requests_per_s']:>8,.1f}"
             f" {_fmt(r['examples_per_s_vs_plain'], '.2f'):>13} {_fmt(r['p50_vs_plain'], '.2f'):>12}"
-            f" {_fmt(r['efficiency'], '.2f'):>10} {r['errors']:>6}  {_cpu(r):<24}"
+            f" {_fmt(r['efficiency'], '.2f'):>10} {r['errors']:>6}"
+            f" {_fmt(r.get('machine_busy'), '.0%'):>5}  {_cpu(r):<24}"
         )
     for r in rows:
         if r["errors"]:

@@ -95,7 +95,10 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
                 parts = servers_of.get(x, {})
                 before = {k: servers.cpu_seconds(p) for k, p in parts.items()}
                 client = time.process_time()  # this process: the client threads, nothing else
+                busy, total = servers.machine_seconds()
                 cell.add(*run_cell(connects[x], payloads[n], c, cfg.requests))
+                busy_after, total_after = servers.machine_seconds()
+                cell.add_machine(busy_after - busy, total_after - total)
                 spent = {k: servers.cpu_seconds(p) - before[k] for k, p in parts.items()}
                 if x != FLOOR:  # in-process, the "client" is the forward itself
                     spent["client"] = time.process_time() - client

@@ -182,6 +182,14 @@ def start_all(
     return out
 
 
+def machine_seconds() -> tuple[float, float]:
+    """``(busy, all)`` CPU seconds of the whole machine since boot, every core (``/proc/stat``;
+    idle and iowait are not busy): whether a cell left cores idle, whoever ran on them."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(fields) - fields[3] - fields[4]) / tick, sum(fields) / tick
+
+
 def cpu_seconds(proc: subprocess.Popen[bytes]) -> float:
     """User + system CPU seconds of ``proc`` and its live descendants (TorchServe: launcher,
     Java frontend, Python workers)."""

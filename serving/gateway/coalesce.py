@@ -215,27 +215,39 @@ class Coalescer:
         return batch
 
     async def _call(self, batch: list[Member]) -> None:
+        sizes = [m.examples for m in batch]
         try:
-            loop = asyncio.get_running_loop()
-            deadlines = [m.deadline for m in batch if m.deadline is not None]
-            remaining = max(deadlines) - loop.time() if len(deadlines) == len(batch) else None
-            sizes = [m.examples for m in batch]
-            self._count(len(batch), sum(sizes))
-            try:
-                parts = [m.arrays for m in batch]
-                if len(parts) > 1 and sum(m.nbytes for m in batch) > OFFLOAD_BYTES:
-                    merged = await asyncio.to_thread(merge, parts)  # numpy copies free the loop
-                else:
-                    merged = merge(parts)
-                scores, backend = await self.send(merged, remaining)
-            except Exception as e:  # every member gets the backend's error
-                for m in batch:
-                    if not m.future.done():
-                        m.future.set_exception(e)
-                return
-            for m, part in zip(batch, split(scores, sizes), strict=True):
+            scores, backend = await self._merged(batch, sizes)
+        except Exception as e:  # every member gets the backend's error
+            self._release()
+            for m in batch:
                 if not m.future.done():
-                    m.future.set_result((part, backend))
-        finally:
-            self.in_flight -= 1
-            self._dispatch()
+                    m.future.set_exception(e)
+            return
+        except BaseException:
+            self._release()
+            raise
+        # the slot is given to the next batch before the members wake: its task runs ahead of
+        # theirs, so the backend's worker is not kept waiting while their answers are built
+        self._release()
+        for m, part in zip(batch, split(scores, sizes), strict=True):
+            if not m.future.done():
+                m.future.set_result((part, backend))
+
+    async def _merged(self, batch: list[Member], sizes: list[int]) -> tuple[np.ndarray, str]:
+        """One backend call for ``batch``: merged, sent, answered."""
+        loop = asyncio.get_running_loop()
+        deadlines = [m.deadline for m in batch if m.deadline is not None]
+        remaining = max(deadlines) - loop.time() if len(deadlines) == len(batch) else None
+        self._count(len(batch), sum(sizes))
+        parts = [m.arrays for m in batch]
+        if len(parts) > 1 and sum(m.nbytes for m in batch) > OFFLOAD_BYTES:
+            merged = await asyncio.to_thread(merge, parts)  # numpy copies free the loop
+        else:
+            merged = merge(parts)
+        return await self.send(merged, remaining)
+
+    def _release(self) -> None:
+        """A backend call ended: its slot goes to what is queued."""
+        self.in_flight -= 1
+        self._dispatch()

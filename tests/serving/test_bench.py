@@ -79,6 +79,9 @@ def test_a_tiny_run_measures_every_method_at_every_cell(
     for r in got.values():
         assert r["errors"] == 0 and r["requests"] >= 4, r
         assert r["p50_ms"] > 0 and r["p99_ms"] >= r["p50_ms"] and r["examples_per_s"] > 0, r
+        busy = r["machine_busy"]  # the machine's share of busy cores; None: under a clock tick
+        assert busy is None or 0 <= busy <= 1, r
+    assert any(r["machine_busy"] for r in got.values())
     methods = doc["settings"]["methods"]
     assert methods["plain-torchserve"]["batch_size"] == 1
     assert methods["plain-torchserve"]["workers"] == doc["settings"]["usable_cores"]
