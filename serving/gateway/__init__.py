@@ -1,6 +1,7 @@
 """The gateway process: everything that runs inside ``python -m serving.gateway``.
 
-gRPC front doors (``server``: ``recsys.v1.Ranker``; ``kserve``: KServe v2), the request contract
+The process (``server``), its gRPC front doors (``ranker``: ``recsys.v1.Ranker`` and the scoring
+path; ``kserve``: KServe v2), the request contract
 (``validate``, ``wire``, ``varint``), admission, coalescing, backends, auth, metrics, the serving
 plan, the config and the process's heap (``memory``). Imports neither torch nor ``training/``;
 nothing heavy at import.

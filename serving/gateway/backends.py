@@ -82,6 +82,9 @@ class Backend:
     served: dict[str, dict[str, str]] = field(default_factory=dict)
     """Per model version in rotation: what its workers serve (device, variant, dtype), as
     the handler describes it; asked again after the backend leaves rotation."""
+    workers: int = 0
+    """TorchServe workers on the replica (every version's), as its handler last counted them
+    in a describe answer; 0 = not said yet."""
 
     key_due: float = 0.0
     key_metadata: tuple[tuple[str, str], ...] = ()
@@ -330,6 +333,8 @@ class BackendPool:
             reply = await self._call(backend, request)
             info = json.loads(reply)
             served = {k: str(info[k]) for k in ("device", "variant", "dtype")}
+            workers = info.get("workers", 0)  # an older handler does not count them
+            backend.workers = workers if type(workers) is int and workers > 0 else backend.workers
         except (grpc.aio.AioRpcError, KeyFileError, ValueError, KeyError, TypeError) as e:
             logger.warning(
                 "backend %s does not say what serves v%s: %s", backend.target, version, e

@@ -156,7 +156,7 @@ class Coalescer:
         deadline = None if time_remaining is None else loop.time() + time_remaining
         member = Member(arrays, deadline, loop.create_future())
         self.queue.append(member)
-        self._dispatch()
+        self.dispatch()
         return await member.future
 
     async def _alone(self, arrays: Arrays, time_remaining: float | None) -> tuple[np.ndarray, str]:
@@ -172,7 +172,7 @@ class Coalescer:
             return await self.send(arrays, time_remaining)
         finally:
             self.in_flight -= 1
-            self._dispatch()
+            self.dispatch()
 
     def _count(self, requests: int, examples: int) -> None:
         logger.debug("backend call: %d requests, %d examples", requests, examples)
@@ -181,7 +181,7 @@ class Coalescer:
         self.stats.largest = max(self.stats.largest, examples)
         metrics.backend_call(requests, examples)
 
-    def _dispatch(self) -> None:
+    def dispatch(self) -> None:
         """Start backend calls while slots are free and requests wait."""
         while self.in_flight < self.slots and self.queue:
             batch = self._take()
@@ -250,4 +250,4 @@ class Coalescer:
     def _release(self) -> None:
         """A backend call ended: its slot goes to what is queued."""
         self.in_flight -= 1
-        self._dispatch()
+        self.dispatch()

@@ -29,8 +29,15 @@ class CoalesceConfig:
     """Merge requests that arrive while every backend slot is busy into one call."""
     max_examples: int = 2048
     """Most examples in one merged TorchServe call (a larger single request goes alone)."""
-    calls_per_backend: int = 2
-    """Backend calls in flight per TorchServe replica; more requests queue and are merged."""
+    calls_per_worker: int = 2
+    """Backend calls in flight per TorchServe worker of the replicas in rotation (their
+    workers as each replica's handler counts them; 1 until it has said): one being scored and
+    one waiting in TorchServe's queue, so a worker that finishes starts the next at once
+    instead of waiting out the round trip to the gateway. More requests queue here and are
+    merged."""
+    calls_per_backend: int = 0
+    """Backend calls in flight per replica, whatever its workers; 0 = ``calls_per_worker`` x
+    its workers."""
     alone_examples: int = 512
     """A request of at least this many examples neither waits for a slot nor is merged: it is
     work enough for a call of its own (merging it saves no per-call cost, only copies), and
@@ -38,8 +45,10 @@ class CoalesceConfig:
     queue."""
 
     def __post_init__(self) -> None:
-        if self.max_examples < 1 or self.calls_per_backend < 1:
-            raise ValueError("coalesce.max_examples and coalesce.calls_per_backend must be >= 1")
+        if min(self.max_examples, self.calls_per_worker) < 1:
+            raise ValueError("coalesce.max_examples and coalesce.calls_per_worker must be >= 1")
+        if self.calls_per_backend < 0:
+            raise ValueError("coalesce.calls_per_backend must be >= 0 (0: per worker)")
         if self.alone_examples < 0:
             raise ValueError("coalesce.alone_examples must be >= 0 (0: off)")
 

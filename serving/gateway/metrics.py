@@ -14,7 +14,9 @@ Exported (prefix ``recsys_gateway_``):
   every answered call is in the counters.
 - ``examples_per_request``: examples in each valid ``Score`` request.
 - ``backend_call_examples``, ``backend_call_requests``: size of each TorchServe call after
-  coalescing (examples, and requests merged into it); ``backend_calls_in_flight``.
+  coalescing (examples, and requests merged into it); ``backend_calls_in_flight``, and
+  ``backend_call_slots``: how many may be (``coalesce.calls_per_worker`` x the workers the
+  replicas in rotation report).
 - ``rejections_total{reason}``: calls refused before scoring (invalid, unauthenticated, and the
   admission control's reasons).
 - ``backend_healthy{backend}`` (1/0, read at scrape time), ``backend_failovers_total{backend}``:
@@ -91,6 +93,11 @@ class GatewayMetrics:
         self.backend_in_flight = Gauge(
             f"{PREFIX}_backend_calls_in_flight", "TorchServe calls in flight", registry=r
         )
+        self.call_slots = Gauge(
+            f"{PREFIX}_backend_call_slots", "TorchServe calls in flight at most per model "
+            "version (coalesce.calls_per_worker x the workers of the replicas in rotation)",
+            registry=r,
+        )  # fmt: skip
         self.rejections_total = Counter(
             f"{PREFIX}_rejections", "calls refused before scoring, by reason", ["reason"],
             registry=r,
@@ -188,6 +195,12 @@ def backend_call(requests: int, n_examples: int) -> None:
     if _current is not None:
         _current.call_requests.observe(requests)
         _current.call_examples.observe(n_examples)
+
+
+def call_slots(n: int) -> None:
+    """The coalescers' backend calls in flight at most now (per model version)."""
+    if _current is not None:
+        _current.call_slots.set(n)
 
 
 def show_plan(
@@ -347,6 +360,6 @@ def start_server(m: GatewayMetrics, host: str, port: int) -> MetricsServer | Non
 
 
 __all__ = [
-    "GatewayMetrics", "MetricsInterceptor", "MetricsServer", "backend_call", "configure",
+    "GatewayMetrics", "MetricsInterceptor", "MetricsServer", "backend_call", "call_slots", "configure",
     "examples", "failed", "failover", "rejected", "scored", "show_plan", "start_server",
 ]  # fmt: skip

@@ -1,6 +1,6 @@
 """What the KServe front door needs of the gateway's scorer, named once.
 
-``server.Ranker`` provides it and ``kserve`` consumes it; neither imports the other for it.
+``ranker.Ranker`` provides it and ``kserve`` consumes it; neither imports the other for it.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ class TorchServeConfig:
     """Longest a worker may take to load the model."""
     job_queue_size: int = 100
     """Requests queued per model before TorchServe answers 503 (TorchServe's default). The
-    gateway keeps at most ``coalesce.calls_per_backend`` calls in flight per replica, so only
+    gateway keeps at most ``coalesce.calls_per_worker`` calls in flight per worker, so only
     direct callers fill it; a deeper queue would hold calls past any caller's deadline."""
     max_request_bytes: int = 16 * 1024 * 1024
     """Largest request body (REST and gRPC); TorchServe's 6.5 MB default is ~25k examples."""

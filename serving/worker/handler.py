@@ -141,7 +141,13 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
         for i, row in enumerate(data):
             if DESCRIBE in row:  # the gateway asks what serves (once per replica and version)
                 decoded.append(
-                    json.dumps({**self.served, "threads": torch.get_num_threads()}).encode()
+                    json.dumps(
+                        {
+                            **self.served,
+                            "threads": torch.get_num_threads(),
+                            "workers": replica_workers(),
+                        }
+                    ).encode()
                 )
                 continue
             try:

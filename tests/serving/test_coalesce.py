@@ -9,6 +9,8 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 
 from serving.gateway.coalesce import SLICE_PARTS, Arrays, Coalescer, Expired, merge, split
 from serving.gateway.config import CoalesceConfig
+from serving.gateway.ranker import call_slots
 from serving.stubs import ranker_pb2_grpc
 from serving.tools.client import build_request
 from serving.torchserve.config import TorchServeConfig
@@ -108,6 +111,58 @@ def test_a_lone_request_goes_at_once_and_queued_ones_leave_as_one_call() -> None
         assert co.stats.largest == 12 and co.in_flight == 0
 
     asyncio.run(scenario())
+
+
+def test_the_next_batch_leaves_before_the_members_of_the_last_are_answered() -> None:
+    """A backend worker waits for the gateway's next call while the gateway answers the
+    members of the last one: the next call must be sent first (docs/architecture.md)."""
+
+    async def scenario() -> None:
+        events: list[str] = []
+        gates = [asyncio.Event() for _ in range(3)]
+
+        async def send(arrays: Arrays, remaining: float | None) -> tuple[np.ndarray, str]:
+            n = len(events)
+            events.append(f"send {arrays[0].shape[0]}")
+            await gates[sum(e.startswith("send") for e in events[:n])].wait()
+            return arrays[0][:, 0].copy(), "fake:1"
+
+        co = Coalescer(send, slots=1, max_examples=100)
+
+        async def caller(name: str, b: int) -> None:
+            await co.score(_req(b, 1.0), None)
+            events.append(f"answered {name}")
+
+        tasks = [asyncio.ensure_future(caller("a", 1))]  # alone, holds the slot
+        await asyncio.sleep(0.01)
+        tasks += [asyncio.ensure_future(caller(n, 2)) for n in "bc"]  # queued
+        await asyncio.sleep(0.01)
+        gates[0].set()  # a answers; b and c leave as one call
+        await asyncio.sleep(0.01)
+        tasks += [asyncio.ensure_future(caller(n, 3)) for n in "de"]  # queued behind b + c
+        await asyncio.sleep(0.01)
+        gates[1].set()
+        gates[2].set()
+        await asyncio.gather(*tasks)
+        assert events.index("send 6") < events.index("answered b"), events
+        assert events.index("send 6") < events.index("answered c"), events
+
+    asyncio.run(scenario())
+
+
+def test_backend_calls_follow_the_workers_of_the_replicas_in_rotation() -> None:
+    def replica(workers: int, healthy: bool = True) -> Any:
+        return SimpleNamespace(workers=workers, healthy=healthy)
+
+    per_worker = CoalesceConfig()  # 2 per worker
+    assert call_slots(per_worker, [replica(2), replica(3)]) == 10
+    assert call_slots(per_worker, [replica(0)]) == 2  # has not said yet: one worker
+    assert call_slots(per_worker, [replica(2), replica(8, healthy=False)]) == 4
+    assert call_slots(per_worker, [replica(2, False), replica(3, False)]) == 10  # none in rotation
+    fixed = CoalesceConfig(calls_per_backend=3)
+    assert call_slots(fixed, [replica(2), replica(8, healthy=False)]) == 6
+    with pytest.raises(ValueError, match="calls_per_worker"):
+        CoalesceConfig(calls_per_worker=0)
 
 
 def test_the_examples_cap_splits_the_queue_and_a_big_request_goes_alone() -> None:

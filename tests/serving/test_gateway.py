@@ -89,6 +89,25 @@ def test_reflection_lists_the_services(stack: Stack) -> None:
         assert "ScoreRequest" in str(method)
 
 
+def test_backend_calls_in_flight_follow_the_replicas_workers(stack: Stack) -> None:
+    """The handler counts its replica's workers in its describe answer; the gateway keeps two
+    calls in flight per worker (one scored, one waiting in TorchServe's queue)."""
+    workers = [
+        p
+        for p in process.group_members(stack.torchserve.pid)
+        if "model_service_worker" in " ".join(p.cmdline())
+    ]
+    want = (
+        f"backend calls in flight: at most {2 * len(workers)} per version"
+        f" (workers {{'{stack.cfg.grpc_inference_target}': {len(workers)}}})"
+    )
+    log = stack.cfg.workdir / "gateway.log"
+    deadline = time.monotonic() + 10  # said after the health round that described it
+    while want not in (text := log.read_text(errors="replace")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert want in text, text[-2000:]
+
+
 def test_100_concurrent_requests_succeed(stack: Stack) -> None:
     def one(i: int) -> bool:
         lo = (i * 37) % 900
