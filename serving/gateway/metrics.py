@@ -43,9 +43,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from serving.gateway import tally
 from serving.gateway.rpc import WrappingInterceptor
+from serving.gateway.tally import Tally
 
 logger = logging.getLogger("serving.gateway.metrics")
 PREFIX = "recsys_gateway"
@@ -66,29 +68,28 @@ class GatewayMetrics:
 
     def __init__(self, max_request_examples: int, max_call_examples: int) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            f"{PREFIX}_requests", "gRPC calls by method and status code", ["method", "code"],
-            registry=r,
-        )  # fmt: skip
-        self.latency = Histogram(
-            f"{PREFIX}_request_seconds", "gRPC call latency in the gateway", ["method"],
-            registry=r,
-        )  # fmt: skip
+        hot = Tally(r)  # what every call updates: plain numbers read at scrape time
+        self.requests = tally.counter(
+            hot, f"{PREFIX}_requests", "gRPC calls by method and status code", ["method", "code"]
+        )
+        self.latency = tally.histogram(
+            hot, f"{PREFIX}_request_seconds", "gRPC call latency in the gateway", ["method"]
+        )
         self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "calls being served", registry=r)
         self.serving_now = 0  # what in_flight reads at scrape time (a locked gauge costs more)
         self.in_flight.set_function(lambda: float(self.serving_now))
-        self.examples = Histogram(
-            f"{PREFIX}_examples_per_request", "examples in each valid Score request",
-            buckets=size_buckets(max_request_examples), registry=r,
+        self.examples = tally.histogram(
+            hot, f"{PREFIX}_examples_per_request", "examples in each valid Score request",
+            buckets=size_buckets(max_request_examples),
         )  # fmt: skip
         call_buckets = size_buckets(max(max_call_examples, max_request_examples))
-        self.call_examples = Histogram(
-            f"{PREFIX}_backend_call_examples", "examples in each TorchServe call (coalesced)",
-            buckets=call_buckets, registry=r,
+        self.call_examples = tally.histogram(
+            hot, f"{PREFIX}_backend_call_examples", "examples in each TorchServe call (coalesced)",
+            buckets=call_buckets,
         )  # fmt: skip
-        self.call_requests = Histogram(
-            f"{PREFIX}_backend_call_requests", "requests merged into each TorchServe call",
-            buckets=call_buckets, registry=r,
+        self.call_requests = tally.histogram(
+            hot, f"{PREFIX}_backend_call_requests", "requests merged into each TorchServe call",
+            buckets=call_buckets,
         )  # fmt: skip
         self.backend_in_flight = Gauge(
             f"{PREFIX}_backend_calls_in_flight", "TorchServe calls in flight", registry=r
@@ -128,13 +129,13 @@ class GatewayMetrics:
             f"{PREFIX}_plan_generation", "generation of the serving plan applied, by plan file "
             "(absolute path; empty: no plan file)", ["plan"], registry=r,
         )  # fmt: skip
-        self.version_requests = Counter(
-            f"{PREFIX}_version_requests", "requests per model version, by the status code "
-            "their scoring ended with", ["model_version", "code"], registry=r,
+        self.version_requests = tally.counter(
+            hot, f"{PREFIX}_version_requests", "requests per model version, by the status code "
+            "their scoring ended with", ["model_version", "code"],
         )  # fmt: skip
-        self.scores = Histogram(
-            f"{PREFIX}_scores", "mean click probability of each request, per model version",
-            ["model_version"], buckets=[i / 20 for i in range(1, 21)], registry=r,
+        self.scores = tally.histogram(
+            hot, f"{PREFIX}_scores", "mean click probability of each request, per model version",
+            ["model_version"], buckets=[i / 20 for i in range(1, 21)],
         )  # fmt: skip
         self.serving = Gauge(
             f"{PREFIX}_backend_serving_info", "what a backend's workers serve for a version "

@@ -31,6 +31,8 @@ The other messages of a call skip protobuf's objects too: :func:`score_response`
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from google.protobuf.message import DecodeError
 
@@ -328,21 +330,30 @@ def score_response(scores: np.ndarray, model_name: str, model_version: str) -> b
     """A ``ScoreResponse``'s bytes, exactly as protobuf serializes it (fields in order, the
     scores packed, empty fields left out), without its message object or a Python float per
     score."""
-    fields = (
-        (0x0A, np.ascontiguousarray(scores, dtype="<f4").tobytes()),
-        (0x12, model_name.encode("utf-8")),
-        (0x1A, model_version.encode("utf-8")),
-    )
-    out: list[bytes | bytearray] = []
-    for tag, data in fields:
-        if data:
-            n, head = len(data), bytearray((tag,))
-            while n >= 0x80:
-                head.append(n & 0x7F | 0x80)
-                n >>= 7
-            head.append(n)
-            out += (head, data)
-    return b"".join(out)
+    data = np.ascontiguousarray(scores, dtype="<f4").tobytes()
+    names = _response_names(model_name, model_version)
+    return b"".join((_field_head(0x0A, len(data)), data, names)) if data else names
+
+
+def _field_head(tag: int, n: int) -> bytes:
+    """A length-delimited field's tag and length."""
+    head = bytearray((tag,))
+    while n >= 0x80:
+        head.append(n & 0x7F | 0x80)
+        n >>= 7
+    head.append(n)
+    return bytes(head)
+
+
+@functools.lru_cache(maxsize=64)
+def _response_names(model_name: str, model_version: str) -> bytes:
+    """A ``ScoreResponse``'s model_name (2) and model_version (3) fields, as they follow its
+    scores (1)."""
+    out = b""
+    for tag, text in ((0x12, model_name), (0x1A, model_version)):
+        if data := text.encode("utf-8"):
+            out += _field_head(tag, len(data)) + data
+    return out
 
 
 def prediction_of(reply: bytes) -> bytes:

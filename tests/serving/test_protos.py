@@ -72,7 +72,7 @@ def test_the_predictions_envelope_plus_its_body_is_protobufs_own_encoding() -> N
     )
 
     for name, version in (("dlrm-demo", ""), ("m", "1.0"), ("x" * 200, "v" * 130)):
-        for size in (0, 1, 100, 127, 128, 16_383, 16_384, 2_100_000):
+        for size in (0, 1, 100, 127, 128, 16_383, 16_384, 2_097_151, 2_097_152, 2_100_000):
             body = bytes(range(256)) * (size // 256) + bytes(size % 256)
             got = predictions_envelope(name, version, size) + body
             assert got == predictions_request(name, version, body).SerializeToString()
