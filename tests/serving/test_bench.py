@@ -97,3 +97,22 @@ def test_the_refusal_floor_tool_runs_and_prints_its_figures() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "refusals by a server that only refuses: p50" in proc.stdout
+
+
+def test_the_own_cost_tool_runs_the_real_handler_chain(
+    exported_portable: tuple[Path, Path, str],
+) -> None:
+    export, _, _ = exported_portable
+    proc = subprocess.run(
+        [sys.executable, "-m", "serving.bench.own_cost", "--export", str(export),
+         "--sizes", "[1, 10]", "--calls", "20", "--rounds", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])["us_per_call"]
+    assert set(got) == {"1", "10"} and all(v > 0 for v in got.values()), got
+    missing = subprocess.run(
+        [sys.executable, "-m", "serving.bench.own_cost", "--export", "/nonexistent"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "give --export" in missing.stderr
