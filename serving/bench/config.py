@@ -33,7 +33,8 @@ class BenchConfig:
     requests: int = 200
     """Requests per cell and round, split over the client threads (at least 2 each)."""
     rounds: int = 2
-    """Rounds; within each, every cell runs every method in turn, so noise hits all alike."""
+    """Rounds; within each, every cell runs every method in turn, so noise hits all alike (in
+    reverse order on odd rounds, so no method always runs second)."""
     warmup: int = 16
     """Untimed requests per method and size before the first round (TorchScript's profiling
     runs, every TorchServe worker reached)."""

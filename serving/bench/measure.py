@@ -66,7 +66,10 @@ class Cell:
             "requests_per_s": done / self.wall_s if self.wall_s else 0.0,
             "errors": self.errors,
             "cpu_ms_per_request": {part: 1e3 * s / done for part, s in self.cpu_s.items() if done},
-            "machine_busy": self.machine_s[0] / self.machine_s[1] if self.machine_s[1] else None,
+            # clamped: the kernel's idle time can step back over a few ticks (NO_HZ accounting)
+            "machine_busy": min(1.0, max(0.0, self.machine_s[0] / self.machine_s[1]))
+            if self.machine_s[1]
+            else None,
         }
 
 

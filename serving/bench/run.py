@@ -90,8 +90,8 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
                     run_cell(connect, p, warm, 8 * warm)
     servers_of = _servers_of(up.get("procs", {}))
     with progress(total=cfg.rounds * len(cells), desc="cells", unit="cell") as bar:
-        for _ in range(cfg.rounds):
-            for (x, n, c), cell in cells.items():  # methods innermost: interleaved per cell
+        for k in range(cfg.rounds):
+            for (x, n, c), cell in in_order(cells, k):
                 parts = servers_of.get(x, {})
                 before = {k: servers.cpu_seconds(p) for k, p in parts.items()}
                 client = time.process_time()  # this process: the client threads, nothing else
@@ -106,6 +106,18 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
                 bar.update(1)
     settings["loadavg_before"], settings["loadavg_after"] = load_before, os.getloadavg()
     return {"results": results(list(cells.values())), "settings": settings}
+
+
+def in_order(cells: dict[tuple[str, int, int], Cell], k: int) -> list[tuple[Any, Cell]]:
+    """Round ``k``'s order: cell by cell, every method in turn (interleaved, so noise hits all
+    alike), the methods' order reversed on odd rounds: a method never always runs right after
+    another (on a stack still warming, or a machine whose load drifts, the second of a pair
+    had the edge: docs/bench.md)."""
+    out: list[tuple[Any, Cell]] = []
+    for key in dict.fromkeys((n, c) for _, n, c in cells):
+        row = [(x, cell) for (x, n, c), cell in cells.items() if (n, c) == key]
+        out += [((x, *key), cell) for x, cell in (row[::-1] if k % 2 else row)]
+    return out
 
 
 def _servers_of(procs: dict[str, Any]) -> dict[str, dict[str, Any]]:

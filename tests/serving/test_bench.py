@@ -20,6 +20,7 @@ from serving.bench.measure import Cell
 from serving.bench.model import Model, payload
 from serving.bench.plain_handler import PlainHandler
 from serving.bench.report import results, table
+from serving.bench.run import in_order
 from tests.conftest import third_party_noise
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +53,15 @@ def test_ratios_are_to_plain_at_the_same_cell_and_to_in_process_at_the_same_size
     assert gw["efficiency"] == pytest.approx(0.2)
     assert rows["in-process"]["p50_vs_plain"] is None  # no plain cell at concurrency 1
     assert "gateway" in table(list(rows.values()))
+
+
+def test_each_round_runs_every_cell_once_and_odd_rounds_reverse_the_methods() -> None:
+    cells = {(x, n, c): Cell(x, n, c) for n in (1, 100) for c in (1, 4) for x in ("a", "b", "c")}
+    first, second = ([key for key, _ in in_order(cells, k)] for k in (0, 1))
+    assert sorted(first) == sorted(second) == sorted(cells)
+    assert first[:3] == [("a", 1, 1), ("b", 1, 1), ("c", 1, 1)]
+    assert second[:3] == [("c", 1, 1), ("b", 1, 1), ("a", 1, 1)]
+    assert [key[1:] for key in second[::3]] == [(1, 1), (1, 4), (100, 1), (100, 4)]
 
 
 def test_a_tiny_run_measures_every_method_at_every_cell(
