@@ -29,12 +29,14 @@ class CoalesceConfig:
     """Merge requests that arrive while every backend slot is busy into one call."""
     max_examples: int = 2048
     """Most examples in one merged TorchServe call (a larger single request goes alone)."""
-    calls_per_worker: int = 2
+    calls_per_worker: int = 1
     """Backend calls in flight per TorchServe worker of the replicas in rotation (their
-    workers as each replica's handler counts them; 1 until it has said): one being scored and
-    one waiting in TorchServe's queue, so a worker that finishes starts the next at once
-    instead of waiting out the round trip to the gateway. More requests queue here and are
-    merged."""
+    workers as each replica's handler counts them in its describe answer); more requests queue
+    here and leave merged as one call when a call ends. 2 keeps a call waiting in TorchServe's
+    queue for each worker, so none waits out the round trip to the gateway (the machine 93-96%
+    busy at 100 examples x 4 callers against 83-86% with 1), but merges half as much: on the
+    2-core machine it gained nothing in the serving bench and lost 7-14% of the demo's load
+    test (docs/bench.md)."""
     calls_per_backend: int = 0
     """Backend calls in flight per replica, whatever its workers; 0 = ``calls_per_worker`` x
     its workers."""

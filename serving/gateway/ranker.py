@@ -39,16 +39,19 @@ ENVELOPE_BYTES = 4096
 # than ENCODE_OFFLOAD_BYTES are written there too (a smaller one is one copy, on the loop)
 OFFLOAD_BYTES = 256 * 1024
 ENCODE_OFFLOAD_BYTES = 1 << 20
+# workers of a replica whose handler has not counted them (an older .mar): TorchServe starts one
+# per core, and the smallest machine this stack runs on has 2
+ASSUMED_WORKERS = 2
 
 
 def call_slots(c: CoalesceConfig, backends: Sequence[Backend]) -> int:
     """Backend calls in flight at most per version: ``c.calls_per_worker`` per worker of the
-    replicas in rotation (of all while none is; a replica that has not said counts one), or
-    ``c.calls_per_backend`` per replica when set."""
+    replicas in rotation (of all while none is; a replica that has not said counts
+    :data:`ASSUMED_WORKERS`), or ``c.calls_per_backend`` per replica when set."""
     if c.calls_per_backend:
         return c.calls_per_backend * len(backends)
     serving = [b for b in backends if b.healthy] or backends
-    return c.calls_per_worker * sum(max(b.workers, 1) for b in serving)
+    return c.calls_per_worker * sum(b.workers or ASSUMED_WORKERS for b in serving)
 
 
 class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]

@@ -18,7 +18,7 @@ import pytest
 
 from serving.gateway.coalesce import SLICE_PARTS, Arrays, Coalescer, Expired, merge, split
 from serving.gateway.config import CoalesceConfig
-from serving.gateway.ranker import call_slots
+from serving.gateway.ranker import ASSUMED_WORKERS, call_slots
 from serving.stubs import ranker_pb2_grpc
 from serving.tools.client import build_request
 from serving.torchserve.config import TorchServeConfig
@@ -154,11 +154,12 @@ def test_backend_calls_follow_the_workers_of_the_replicas_in_rotation() -> None:
     def replica(workers: int, healthy: bool = True) -> Any:
         return SimpleNamespace(workers=workers, healthy=healthy)
 
-    per_worker = CoalesceConfig()  # 2 per worker
+    per_worker = CoalesceConfig(calls_per_worker=2)
     assert call_slots(per_worker, [replica(2), replica(3)]) == 10
-    assert call_slots(per_worker, [replica(0)]) == 2  # has not said yet: one worker
+    assert call_slots(per_worker, [replica(0)]) == 2 * ASSUMED_WORKERS  # has not said
     assert call_slots(per_worker, [replica(2), replica(8, healthy=False)]) == 4
     assert call_slots(per_worker, [replica(2, False), replica(3, False)]) == 10  # none in rotation
+    assert call_slots(CoalesceConfig(), [replica(16)]) == 16  # the default: one per worker
     fixed = CoalesceConfig(calls_per_backend=3)
     assert call_slots(fixed, [replica(2), replica(8, healthy=False)]) == 6
     with pytest.raises(ValueError, match="calls_per_worker"):
