@@ -8,7 +8,10 @@ per example (see docs/architecture.md), so the gateway merges what arrives while
   at least ``alone_examples`` examples whatever is in flight: it is a call's worth of work on
   its own, and merging it would only copy it.
 - Otherwise it queues; when a backend call finishes, everything queued (up to
-  ``max_examples`` examples) leaves as ONE call, in arrival order.
+  ``max_examples`` examples) leaves as ONE call, in arrival order. Up to ``deck`` more calls
+  may leave before one finishes, each carrying two or more queued requests: they wait in
+  TorchServe's queue, so a worker that finishes starts the next call at once instead of
+  waiting out the round trip to the gateway, and a lone request still never waits for one.
 - Each caller gets exactly its own scores, in order. A member whose deadline has passed before
   its batch leaves gets DEADLINE_EXCEEDED alone; the merged call's deadline is the latest
   member's (a member that gives up earlier is cancelled by gRPC, the others are not affected).
@@ -120,8 +123,9 @@ class Stats:
 class Coalescer:
     """Merges concurrent requests for one model version into backend calls (see module doc).
 
-    ``send``: one backend call; ``slots``: backend calls in flight at most (e.g. calls per
-    backend x backends); ``max_examples`` / ``max_bytes``: most examples / array bytes per
+    ``send``: one backend call; ``slots``: backend calls in flight before requests queue (e.g.
+    one per TorchServe worker); ``deck``: merged calls allowed beyond them (see the module
+    doc); ``max_examples`` / ``max_bytes``: most examples / array bytes per
     backend call (a single request above them goes alone: it was validated against the request
     limits already).
     """
@@ -133,11 +137,13 @@ class Coalescer:
         max_examples: int,
         max_bytes: int | None = None,
         alone_examples: int = 0,
+        deck: int = 0,
     ) -> None:
         if slots < 1 or max_examples < 1:
             raise ValueError("slots and max_examples must be >= 1")
         self.send = send
         self.slots = slots
+        self.deck = deck
         self.max_examples = max_examples
         self.max_bytes = max_bytes
         self.alone_examples = alone_examples or 1 << 62  # 0: none goes alone for its size
@@ -182,8 +188,12 @@ class Coalescer:
         metrics.backend_call(requests, examples)
 
     def dispatch(self) -> None:
-        """Start backend calls while slots are free and requests wait."""
-        while self.in_flight < self.slots and self.queue:
+        """Start backend calls while slots are free and requests wait, and merged ones on deck
+        while two or more wait."""
+        while self.queue and (
+            self.in_flight < self.slots
+            or (self.in_flight < self.slots + self.deck and len(self.queue) >= 2)
+        ):
             batch = self._take()
             if batch:
                 self.in_flight += 1

@@ -37,6 +37,10 @@ class CoalesceConfig:
     busy at 100 examples x 4 callers against 83-86% with 1), but merges half as much: on the
     2-core machine it gained nothing in the serving bench and lost 7-14% of the demo's load
     test (docs/bench.md)."""
+    merged_on_deck: bool = True
+    """Also let merged calls (two or more queued requests) wait in TorchServe's queue, one per
+    slot above, so a worker that finishes a call starts the next at once instead of waiting
+    out the round trip to the gateway; a lone request still goes only to a free slot."""
     calls_per_backend: int = 0
     """Backend calls in flight per replica, whatever its workers; 0 = ``calls_per_worker`` x
     its workers."""

@@ -80,14 +80,21 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         slots = call_slots(self.cfg.coalesce, self.pool.backends)
         if slots != self.slots or not self._slots_said:
             workers = {b.target: b.workers or "?" for b in self.pool.backends}
+            deck = self.deck(slots)
             logger.info(
-                "backend calls in flight: at most %d per version (workers %s)", slots, workers
-            )
+                "backend calls in flight: at most %d per version, +%d merged waiting (workers %s)",
+                slots, deck, workers,
+            )  # fmt: skip
             self.slots, self._slots_said = slots, True
             for c in self.coalescers.values():
-                c.slots = slots
+                c.slots, c.deck = slots, deck
                 c.dispatch()
-        metrics.call_slots(slots)
+        metrics.call_slots(slots + self.deck(slots))
+
+    def deck(self, slots: int) -> int:
+        """Merged calls allowed to wait in TorchServe's queues beyond ``slots``: one per slot
+        (``coalesce.merged_on_deck``), else none."""
+        return slots if self.cfg.coalesce.merged_on_deck else 0
 
     def set_plan(self, plan: Plan) -> None:
         """Serve ``plan`` from the next call on (calls already routed finish where they are)."""
@@ -120,6 +127,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
                 self.cfg.coalesce.max_examples,
                 self.body_limit,
                 self.cfg.coalesce.alone_examples,
+                self.deck(self.slots),
             )
         return c
 

@@ -166,6 +166,34 @@ def test_backend_calls_follow_the_workers_of_the_replicas_in_rotation() -> None:
         CoalesceConfig(calls_per_worker=0)
 
 
+def test_merged_calls_wait_on_deck_and_a_lone_request_never_does() -> None:
+    """Beyond the slots, a call of two or more queued requests leaves at once (it waits in
+    TorchServe's queue for the worker), up to ``deck`` of them; one queued request waits."""
+
+    async def scenario() -> None:
+        fake = FakeBackend()
+        co = Coalescer(fake.send, slots=1, max_examples=100, deck=1)
+        fake.gate.clear()
+        first = asyncio.ensure_future(co.score(_req(1, 0.0), None))  # the slot
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(co.score(_req(2, 1.0), None))
+        await asyncio.sleep(0.01)
+        assert fake.calls == [1] and co.in_flight == 1  # one queued request waits
+        third = asyncio.ensure_future(co.score(_req(3, 2.0), None))
+        await asyncio.sleep(0.01)
+        assert fake.calls == [1, 5] and co.in_flight == 2  # two: merged, on deck
+        rest = [asyncio.ensure_future(co.score(_req(b, 3.0), None)) for b in (4, 5)]
+        await asyncio.sleep(0.01)
+        assert fake.calls == [1, 5] and co.in_flight == 2  # the deck is full
+        fake.gate.set()
+        results = await asyncio.gather(first, second, third, *rest)
+        assert fake.calls == [1, 5, 9]
+        assert [len(s) for s, _ in results] == [1, 2, 3, 4, 5]
+        assert co.in_flight == 0
+
+    asyncio.run(scenario())
+
+
 def test_the_examples_cap_splits_the_queue_and_a_big_request_goes_alone() -> None:
     async def scenario() -> None:
         fake = FakeBackend()

@@ -91,15 +91,15 @@ def test_reflection_lists_the_services(stack: Stack) -> None:
 
 def test_backend_calls_in_flight_follow_the_replicas_workers(stack: Stack) -> None:
     """The handler counts its replica's workers in its describe answer; the gateway keeps
-    ``coalesce.calls_per_worker`` (1) calls in flight per worker."""
+    ``coalesce.calls_per_worker`` (1) calls in flight per worker, and as many merged ones waiting."""
     workers = [
         p
         for p in process.group_members(stack.torchserve.pid)
         if "model_service_worker" in " ".join(p.cmdline())
     ]
     want = (
-        f"backend calls in flight: at most {len(workers)} per version"
-        f" (workers {{'{stack.cfg.grpc_inference_target}': {len(workers)}}})"
+        f"backend calls in flight: at most {len(workers)} per version, +{len(workers)} merged"
+        f" waiting (workers {{'{stack.cfg.grpc_inference_target}': {len(workers)}}})"
     )
     log = stack.cfg.workdir / "gateway.log"
     deadline = time.monotonic() + 10  # said after the health round that described it
