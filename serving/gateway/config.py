@@ -32,11 +32,11 @@ class CoalesceConfig:
     calls_per_worker: int = 1
     """Backend calls in flight per TorchServe worker of the replicas in rotation (their
     workers as each replica's handler counts them in its describe answer); more requests queue
-    here and leave merged as one call when a call ends. 2 keeps a call waiting in TorchServe's
-    queue for each worker, so none waits out the round trip to the gateway (the machine 93-96%
-    busy at 100 examples x 4 callers against 83-86% with 1), but merges half as much: on the
-    2-core machine it gained nothing in the serving bench and lost 7-14% of the demo's load
-    test (docs/bench.md)."""
+    here and leave merged as one call when a call ends (or on deck, below). 2 keeps a call
+    waiting in TorchServe's queue for each worker, so none waits out the round trip to the
+    gateway (the machine 93-96% busy at 100 examples x 4 callers against 83-86% with 1), but
+    merges half as much: on the 2-core machine it gained nothing in the serving bench and lost
+    7-14% of the demo's load test (docs/bench.md)."""
     merged_on_deck: bool = True
     """Also let merged calls (two or more queued requests) wait in TorchServe's queue, one per
     slot above, so a worker that finishes a call starts the next at once instead of waiting
