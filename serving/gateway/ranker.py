@@ -78,9 +78,9 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         """Follow the replicas' workers (after each health round): a larger count lets queued
         requests leave at once."""
         slots = call_slots(self.cfg.coalesce, self.pool.backends)
+        deck = self.deck(slots)
         if slots != self.slots or not self._slots_said:
             workers = {b.target: b.workers or "?" for b in self.pool.backends}
-            deck = self.deck(slots)
             logger.info(
                 "backend calls in flight: at most %d per version, +%d merged waiting (workers %s)",
                 slots, deck, workers,
@@ -89,7 +89,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             for c in self.coalescers.values():
                 c.slots, c.deck = slots, deck
                 c.dispatch()
-        metrics.call_slots(slots + self.deck(slots))
+        metrics.call_slots(slots + deck)
 
     def deck(self, slots: int) -> int:
         """Merged calls allowed to wait in TorchServe's queues beyond ``slots``: one per slot

@@ -47,7 +47,7 @@ from serving.gateway.validate import (
 )
 from serving.gateway.varint import SMALL_BYTES, decode_fields, read_varint
 from serving.stubs import ranker_pb2
-from serving.torchserve.client import inference_pb2
+from serving.torchserve.client import field_head, inference_pb2
 from serving.worker.codec import Arrays
 
 try:  # the native twin of parse + _columns; absent when no C compiler built it
@@ -332,17 +332,7 @@ def score_response(scores: np.ndarray, model_name: str, model_version: str) -> b
     score."""
     data = np.ascontiguousarray(scores, dtype="<f4").tobytes()
     names = _response_names(model_name, model_version)
-    return b"".join((_field_head(0x0A, len(data)), data, names)) if data else names
-
-
-def _field_head(tag: int, n: int) -> bytes:
-    """A length-delimited field's tag and length."""
-    head = bytearray((tag,))
-    while n >= 0x80:
-        head.append(n & 0x7F | 0x80)
-        n >>= 7
-    head.append(n)
-    return bytes(head)
+    return b"".join((field_head(0x0A, len(data)), data, names)) if data else names
 
 
 @functools.lru_cache(maxsize=64)
@@ -352,7 +342,7 @@ def _response_names(model_name: str, model_version: str) -> bytes:
     out = b""
     for tag, text in ((0x12, model_name), (0x1A, model_version)):
         if data := text.encode("utf-8"):
-            out += _field_head(tag, len(data)) + data
+            out += field_head(tag, len(data)) + data
     return out
 
 

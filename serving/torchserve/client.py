@@ -51,8 +51,13 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+def field_head(tag: int, size: int) -> bytes:
+    """A length-delimited protobuf field's tag and length (its ``size`` bytes follow)."""
+    return bytes((tag,)) + _varint(size)
+
+
 def _field(tag: int, data: bytes) -> bytes:
-    return bytes([tag]) + _varint(len(data)) + data
+    return field_head(tag, len(data)) + data
 
 
 def predictions_envelope(model_name: str, model_version: str, body_size: int) -> bytes:
