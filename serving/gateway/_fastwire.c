@@ -14,6 +14,8 @@
  *             ids i64 bytes, ids per feature i64 bytes, lengths i64 bytes,
  *             lengths entries per feature i64 bytes, clean)
  *
+ * A feature's ids and lengths may each be packed (one field) or unpacked (a run of one varint
+ * field per value, as proto2-style writers emit them): the same values either way.
  * max_features < 0: no bound. No numpy here: arrays leave as bytes (np.frombuffer reads them).
  * clean (given dense_width and max_ids >= 0): every value passes validate.py's checks that need
  * no schema names (num_examples x dense_width finite floats, num_examples lengths per feature,
@@ -27,10 +29,13 @@
 
 enum { NUM_EXAMPLES = 0x08, DENSE = 0x12, SPARSE = 0x1A, MODEL_VERSION = 0x22 };
 enum { NAME = 0x0A, IDS = 0x12, LENGTHS = 0x1A };
+enum { IDS_VARINT = 0x10, LENGTHS_VARINT = 0x18 }; /* the same fields, one value per field */
 enum { RELEASE_GIL = 16384 }; /* varints (at most) above which the decode releases the GIL */
+enum { RELEASE_WALK = 65536 }; /* request bytes above which the walk releases it */
 
 typedef struct {
     Py_ssize_t name, name_n, ids, ids_n, lengths, lengths_n; /* offsets and sizes in buf */
+    Py_ssize_t ids_count, lengths_count; /* values of an unpacked run; -1: packed */
 } Feature;
 
 /* A varint at *pos (below end) -> 0 and *out, or -1: cut, over 10 bytes, or (strict) over 64
@@ -61,20 +66,44 @@ static int span(const uint8_t *p, Py_ssize_t *pos, Py_ssize_t end, Py_ssize_t *n
     return 0;
 }
 
-/* One SparseFeature in [pos, end): name, ids, lengths, each at most once and in that order. */
+/* A run of unpacked fields of `tag` at *pos (each the tag, then a varint of at most 10 bytes)
+ * -> their count with *pos past them, or -1: a value cut or over 10 bytes. */
+static Py_ssize_t run(const uint8_t *p, Py_ssize_t *pos, Py_ssize_t end, uint8_t tag) {
+    Py_ssize_t count = 0;
+    while (*pos < end && p[*pos] == tag) {
+        Py_ssize_t at = *pos + 1, stop = end - at > 10 ? at + 10 : end;
+        while (at < stop && p[at] >= 0x80)
+            at++;
+        if (at == stop)
+            return -1;
+        *pos = at + 1;
+        count++;
+    }
+    return count;
+}
+
+/* One SparseFeature in [pos, end): name, ids, lengths, each at most once and in that order;
+ * ids and lengths each one packed field or a run of unpacked ones. */
 static int feature(const uint8_t *p, Py_ssize_t pos, Py_ssize_t end, Feature *f) {
-    static const uint8_t tags[3] = {NAME, IDS, LENGTHS};
+    static const uint8_t tags[3] = {NAME, IDS, LENGTHS}, runs[3] = {0, IDS_VARINT, LENGTHS_VARINT};
     Py_ssize_t *at[3] = {&f->name, &f->ids, &f->lengths}, *size[3] = {&f->name_n, &f->ids_n,
                                                                       &f->lengths_n};
+    Py_ssize_t *count[3] = {NULL, &f->ids_count, &f->lengths_count};
     for (int k = 0; k < 3; k++) {
         *at[k] = pos;
         *size[k] = 0;
+        if (k)
+            *count[k] = -1;
         if (pos < end && p[pos] == tags[k]) {
             pos++;
             if (span(p, &pos, end, size[k]))
                 return -1;
             *at[k] = pos;
             pos += *size[k];
+        } else if (k && pos < end && p[pos] == runs[k]) {
+            if ((*count[k] = run(p, &pos, end, runs[k])) < 0)
+                return -1;
+            *size[k] = pos - *at[k];
         }
     }
     return pos == end ? 0 : -1;
@@ -105,37 +134,64 @@ static inline int word_varint(const uint8_t *at, uint64_t *out) {
 #define WORDS 0
 #endif
 
-/* The packed varints of [pos, pos + n) appended at out -> their count, or -1 if malformed.
- * Words are read up to limit (the request's end), never past it. */
+/* The varint at *pos (below end) -> 0 and *out, *pos past it; -1 if malformed. Words are
+ * read up to limit (the request's end), never past it. */
+static inline int value(const uint8_t *p, Py_ssize_t *pos, Py_ssize_t end, Py_ssize_t limit,
+                        int64_t *out) {
+    uint8_t b = p[*pos];
+    if (b < 0x80) { /* one byte: the common case for lengths and small ids */
+        *out = b;
+        (*pos)++;
+        return 0;
+    }
+    uint64_t v;
+#if WORDS
+    if (*pos + 8 <= limit) {
+        int size = word_varint(p + *pos, &v);
+        if (size) {
+            if (*pos + size > end)
+                return -1; /* it ends past the field */
+            *out = (int64_t)v;
+            *pos += size;
+            return 0;
+        }
+    }
+#else
+    (void)limit;
+#endif
+    if (varint(p, pos, end, &v, 0))
+        return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+/* The packed varints of [pos, pos + n) appended at out -> their count, or -1 if malformed. */
 static Py_ssize_t packed(const uint8_t *p, Py_ssize_t pos, Py_ssize_t n, Py_ssize_t limit,
                          int64_t *out) {
     Py_ssize_t end = pos + n, count = 0;
-    (void)limit; /* without WORDS */
-    while (pos < end) {
-        uint8_t b = p[pos];
-        if (b < 0x80) { /* one byte: the common case for lengths and small ids */
-            out[count++] = b;
-            pos++;
-            continue;
-        }
-        uint64_t v;
-#if WORDS
-        if (pos + 8 <= limit) {
-            int size = word_varint(p + pos, &v);
-            if (size) {
-                if (pos + size > end)
-                    return -1; /* it ends past the field */
-                out[count++] = (int64_t)v;
-                pos += size;
-                continue;
-            }
-        }
-#endif
-        if (varint(p, &pos, end, &v, 0))
+    while (pos < end)
+        if (value(p, &pos, end, limit, out + count++))
             return -1;
-        out[count++] = (int64_t)v;
+    return count;
+}
+
+/* The values of a run of unpacked fields in [pos, pos + n) (run() checked it: each a one-byte
+ * tag, then a varint of at most 10 bytes) appended at out -> their count. */
+static Py_ssize_t unpacked(const uint8_t *p, Py_ssize_t pos, Py_ssize_t n, Py_ssize_t limit,
+                           int64_t *out) {
+    Py_ssize_t end = pos + n, count = 0;
+    while (pos < end) {
+        pos++; /* the tag */
+        if (value(p, &pos, end, limit, out + count++))
+            return -1;
     }
     return count;
+}
+
+/* A feature's ids or lengths (a packed field, or a run of unpacked ones) appended at out. */
+static Py_ssize_t values(const uint8_t *p, Py_ssize_t pos, Py_ssize_t n, Py_ssize_t count,
+                         Py_ssize_t limit, int64_t *out) {
+    return count < 0 ? packed(p, pos, n, limit, out) : unpacked(p, pos, n, limit, out);
 }
 
 /* validate.py's value checks, all passed (see the top of this file). */
@@ -179,6 +235,63 @@ static int append_name(PyObject *names, const uint8_t *s, Py_ssize_t n) {
     return err ? -1 : 0;
 }
 
+typedef struct {
+    Feature *fs;
+    Py_ssize_t nf, cap, dense, dense_n, version, version_n;
+    Py_ssize_t ids_slots, lengths_slots; /* int64s to hold them: varints at most (bytes, runs) */
+    uint64_t b;
+    int seen_version;
+} Walk;
+
+/* The top level of [0, end) and each feature's structure, into w -> 0: canonical, 1: not,
+ * 2: too many features (w->nf of them walked), -1: out of memory. No Python API (the caller
+ * may release the GIL): names and model_version are left as offsets. */
+static int walk(const uint8_t *p, Py_ssize_t end, Py_ssize_t max_features, Walk *w) {
+    Py_ssize_t pos = 0;
+    int seen_b = 0, seen_dense = 0;
+    while (pos < end) {
+        uint8_t tag = p[pos++];
+        if (tag == NUM_EXAMPLES && !seen_b) {
+            if (varint(p, &pos, end, &w->b, 1) || w->b >= ((uint64_t)1 << 32))
+                return 1;
+            seen_b = 1;
+            continue;
+        }
+        Py_ssize_t n;
+        if (span(p, &pos, end, &n))
+            return 1;
+        if (tag == SPARSE) {
+            if (max_features >= 0 && w->nf >= max_features + 1)
+                return 2;
+            if (w->nf == w->cap) {
+                Feature *more = PyMem_RawRealloc(w->fs, 2 * w->cap * sizeof(Feature));
+                if (!more)
+                    return -1;
+                w->fs = more;
+                w->cap *= 2;
+            }
+            Feature *f = &w->fs[w->nf];
+            if (feature(p, pos, pos + n, f))
+                return 1;
+            w->ids_slots += f->ids_count < 0 ? f->ids_n : f->ids_count;
+            w->lengths_slots += f->lengths_count < 0 ? f->lengths_n : f->lengths_count;
+            w->nf++;
+        } else if (tag == DENSE && !seen_dense && n % 4 == 0) {
+            w->dense = pos;
+            w->dense_n = n;
+            seen_dense = 1;
+        } else if (tag == MODEL_VERSION && !w->seen_version) {
+            w->version = pos;
+            w->version_n = n;
+            w->seen_version = 1;
+        } else {
+            return 1;
+        }
+        pos += n;
+    }
+    return 0;
+}
+
 static PyObject *columns(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer view;
@@ -186,72 +299,48 @@ static PyObject *columns(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*n|nn", &view, &max_features, &dense_width, &max_ids))
         return NULL;
     const uint8_t *p = view.buf;
-    Py_ssize_t pos = 0, end = view.len, dense = 0, dense_n = 0;
-    Py_ssize_t nf = 0, cap = 32, ids_bytes = 0, lengths_bytes = 0; /* bytes: varints at most */
-    uint64_t b = 0;
-    int seen_b = 0, seen_dense = 0, seen_version = 0;
+    Py_ssize_t end = view.len;
+    Walk w = {0};
     PyObject *result = Py_None, *names = NULL, *ids = NULL, *per = NULL, *lengths = NULL,
              *entries = NULL, *v = NULL;
-    Feature *fs = PyMem_Malloc(cap * sizeof(Feature));
-    if (!fs) {
+    w.cap = 32;
+    w.fs = PyMem_RawMalloc(w.cap * sizeof(Feature));
+    if (!w.fs) {
         PyBuffer_Release(&view);
         return PyErr_NoMemory();
     }
     Py_INCREF(Py_None);
-    names = PyList_New(0);
-    if (!names)
+    int status;
+    if (end > RELEASE_WALK) { /* unpacked runs make the walk as long as the bytes */
+        Py_BEGIN_ALLOW_THREADS status = walk(p, end, max_features, &w);
+        Py_END_ALLOW_THREADS
+    } else {
+        status = walk(p, end, max_features, &w);
+    }
+    if (status < 0) {
+        PyErr_NoMemory();
         goto fail;
-    while (pos < end) {
-        uint8_t tag = p[pos++];
-        if (tag == NUM_EXAMPLES && !seen_b) {
-            if (varint(p, &pos, end, &b, 1) || b >= ((uint64_t)1 << 32))
-                goto done;
-            seen_b = 1;
-            continue;
-        }
-        Py_ssize_t n;
-        if (span(p, &pos, end, &n))
-            goto done;
-        if (tag == SPARSE) {
-            if (max_features >= 0 && nf >= max_features + 1) {
-                Py_SETREF(result, PyLong_FromSsize_t(nf + 1));
-                goto done;
-            }
-            if (nf == cap) {
-                Feature *more = PyMem_Realloc(fs, 2 * cap * sizeof(Feature));
-                if (!more) {
-                    PyErr_NoMemory();
-                    goto fail;
-                }
-                fs = more;
-                cap *= 2;
-            }
-            if (feature(p, pos, pos + n, &fs[nf]))
-                goto done;
-            if (append_name(names, p + fs[nf].name, fs[nf].name_n))
-                goto fail_or_none;
-            ids_bytes += fs[nf].ids_n;
-            lengths_bytes += fs[nf].lengths_n;
-            nf++;
-        } else if (tag == DENSE && !seen_dense && n % 4 == 0) {
-            dense = pos;
-            dense_n = n;
-            seen_dense = 1;
-        } else if (tag == MODEL_VERSION && !seen_version) {
-            if (!(v = utf8(p + pos, n)))
-                goto fail_or_none;
-            seen_version = 1;
-        } else {
-            goto done;
-        }
-        pos += n;
+    }
+    if (status == 1)
+        goto done;
+    /* names and model_version as they came before the walk stopped: not UTF-8 = not canonical */
+    if (!(names = PyList_New(0)))
+        goto fail;
+    for (Py_ssize_t k = 0; k < w.nf; k++)
+        if (append_name(names, p + w.fs[k].name, w.fs[k].name_n))
+            goto fail_or_none;
+    if (w.seen_version ? !(v = utf8(p + w.version, w.version_n))
+                       : !(v = PyUnicode_FromStringAndSize(NULL, 0)))
+        goto fail_or_none;
+    if (status == 2) {
+        Py_SETREF(result, PyLong_FromSsize_t(w.nf + 1));
+        goto done;
     }
     /* the structure is canonical: now the varints */
-    if (!v && !(v = PyUnicode_FromStringAndSize(NULL, 0)))
-        goto fail;
-    ids = PyBytes_FromStringAndSize(NULL, 8 * ids_bytes);
+    Py_ssize_t nf = w.nf;
+    ids = PyBytes_FromStringAndSize(NULL, 8 * w.ids_slots);
     per = PyBytes_FromStringAndSize(NULL, 8 * nf);
-    lengths = PyBytes_FromStringAndSize(NULL, 8 * lengths_bytes);
+    lengths = PyBytes_FromStringAndSize(NULL, 8 * w.lengths_slots);
     entries = PyBytes_FromStringAndSize(NULL, 8 * nf);
     if (!ids || !per || !lengths || !entries)
         goto fail;
@@ -262,10 +351,13 @@ static PyObject *columns(PyObject *self, PyObject *args) {
     Py_ssize_t n_ids = 0, n_lengths = 0, k = 0;
     /* a large request's varints decode without the GIL: the gateway's event loop runs on while
      * an offload thread decodes (only buffers of ours and the caller's held view are touched) */
-    PyThreadState *released = ids_bytes + lengths_bytes > RELEASE_GIL ? PyEval_SaveThread() : NULL;
+    PyThreadState *released =
+        w.ids_slots + w.lengths_slots > RELEASE_GIL ? PyEval_SaveThread() : NULL;
     for (; k < nf; k++) {
-        Py_ssize_t got = packed(p, fs[k].ids, fs[k].ids_n, end, id_out + n_ids);
-        Py_ssize_t got_lengths = packed(p, fs[k].lengths, fs[k].lengths_n, end, len_out + n_lengths);
+        const Feature *f = &w.fs[k];
+        Py_ssize_t got = values(p, f->ids, f->ids_n, f->ids_count, end, id_out + n_ids);
+        Py_ssize_t got_lengths =
+            values(p, f->lengths, f->lengths_n, f->lengths_count, end, len_out + n_lengths);
         if (got < 0 || got_lengths < 0)
             break;
         per_out[k] = got;
@@ -278,14 +370,15 @@ static PyObject *columns(PyObject *self, PyObject *args) {
     if (k < nf) /* a field that does not end on a complete varint, or one over 10 bytes */
         goto done;
     int clean = dense_width >= 0 && max_ids >= 0 &&
-                checked(p + dense, dense_n, b, dense_width, max_ids, nf, id_out, per_out, len_out,
-                        ent_out);
+                checked(p + w.dense, w.dense_n, w.b, dense_width, max_ids, nf, id_out, per_out,
+                        len_out, ent_out);
     /* sized by bytes (a varint is one at least): cut to the values decoded, which may move
      * them (id_out and len_out are stale from here) */
     if (_PyBytes_Resize(&ids, 8 * n_ids) || _PyBytes_Resize(&lengths, 8 * n_lengths))
         goto fail;
-    Py_SETREF(result, Py_BuildValue("(KnnOOOOOOO)", (unsigned long long)b, dense, dense_n, v,
-                                    names, ids, per, lengths, entries, clean ? Py_True : Py_False));
+    Py_SETREF(result, Py_BuildValue("(KnnOOOOOOO)", (unsigned long long)w.b, w.dense, w.dense_n,
+                                    v, names, ids, per, lengths, entries,
+                                    clean ? Py_True : Py_False));
     goto done;
 fail_or_none: /* bytes that are not UTF-8 are not canonical (protobuf names them); else fail */
     if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
@@ -301,7 +394,7 @@ done:
     Py_XDECREF(per);
     Py_XDECREF(lengths);
     Py_XDECREF(entries);
-    PyMem_Free(fs);
+    PyMem_RawFree(w.fs);
     PyBuffer_Release(&view);
     return result;
 }

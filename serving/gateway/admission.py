@@ -21,13 +21,21 @@ Two rules, checked before a request joins the coalescer's queue:
 Both refusals cost microseconds and leave what is already in flight untouched.
 :class:`AdmissionInterceptor` applies the budget before a scoring call's request is even read:
 calls past that door and not yet admitted (receiving, decoding) count as the largest request
-admitted in the last :data:`PEAK_WINDOW_S`, and a call that would not fit with them is refused
-before its upload (a refused megabyte request costs its caller and the gateway no upload).
-Without that, a burst of large requests all passes the door while nothing is admitted yet,
-uploads, and is refused only after, each refusal as slow as an upload. Before the first
-request is admitted nothing is known of sizes: calls count as the per-request limit, and one
-that does not fit waits, unread, for the first admission instead of being refused (a burst of
-small calls at a fresh gateway is served; a burst of large ones is refused once one is in).
+admitted in the last :data:`PEAK_WINDOW_S` (halving every window after that without a new
+admission), and a call that would not fit with them is refused before its upload (a refused
+megabyte request costs its caller and the gateway no upload). Without that, a burst of large
+requests all passes the door while nothing is admitted yet, uploads, and is refused only after,
+each refusal as slow as an upload. Before the first request is admitted nothing is known of
+sizes: calls count as the per-request limit, and one that does not fit waits, unread, for the
+first admission (at most :attr:`Admission.hold_s`) instead of being refused.
+
+Every place at the door has a deadline, so that idle clients cannot hold capacity others need
+(one client's 16 streams that sent headers and never a message once refused every real call):
+a place counts for :attr:`Admission.hold_s` (the time a request should take to arrive) and then
+lapses; all places together count for at most :data:`RESERVED_SHARE` of the budget (the rest
+stays open to calls past the door: a burst at a quiet gateway beyond that share is refused by
+the in-flight budget after its upload instead of before); and a call whose request has not
+arrived within :attr:`Admission.read_timeout_s` ends DEADLINE_EXCEEDED, freeing its stream.
 """
 
 from __future__ import annotations
@@ -35,8 +43,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
+from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -44,6 +53,7 @@ import grpc
 from serving.gateway import metrics
 from serving.gateway.errors import ScoreError
 from serving.gateway.rpc import WrappingInterceptor
+from serving.gateway.validate import Limits
 
 # weight of the newest backend call in the latency average: ~the last 10 calls matter
 EWMA_WEIGHT = 0.1
@@ -59,10 +69,36 @@ REFUSING_ALL_S = 5.0
 REFUSING_ALL_MIN = 20
 # how often a call waiting at the door before the first admission looks again
 DOOR_POLL_S = 0.002
-# the place a call holds at the door (examples expected), per task: admit() converts it
-_DOOR: contextvars.ContextVar[float] = contextvars.ContextVar("admission_door", default=0.0)
-# ... and the ids it is expected to bring
-_DOOR_IDS: contextvars.ContextVar[float] = contextvars.ContextVar("admission_ids", default=0.0)
+# how long a place at the door counts (seconds), and how long a call may take to send its
+# request: the gateway's limits say (these are their defaults)
+DOOR_HOLD_S = Limits.door_hold_s
+READ_TIMEOUT_S = Limits.read_timeout_s
+# the places at the door count for at most this share of the budget (of examples, of ids): the
+# rest is always open to calls past the door, whatever idle streams hold
+RESERVED_SHARE = 0.5
+
+
+class Place:
+    """A call's place at the door: what it is expected to bring, until when that counts, and
+    whether it still does (admitted, ended or lapsed: no)."""
+
+    __slots__ = ("examples", "ids", "live", "until")
+
+    def __init__(self, examples: float, ids: float, until: float) -> None:
+        self.examples, self.ids, self.until, self.live = examples, ids, until, True
+
+
+# the place a call holds at the door, per task: admit() converts it into the call's real size
+_DOOR: contextvars.ContextVar[Place | None] = contextvars.ContextVar("admission_door", default=None)
+
+
+def aged(peak: int, at: float, now: float) -> float:
+    """``peak`` (admitted at ``at``) as the door counts it at ``now``: whole for
+    :data:`PEAK_WINDOW_S`, then halving every window (a peak no admission renews fades)."""
+    age = now - at
+    if age <= PEAK_WINDOW_S:
+        return float(peak)
+    return peak * 0.5 ** ((age - PEAK_WINDOW_S) / PEAK_WINDOW_S)
 
 
 @dataclass
@@ -85,7 +121,10 @@ class Admission:
     refused: int = 0
     reserved: float = 0.0
     """Examples expected from the calls past the door not admitted yet (receiving or decoding
-    their request): each counts as :attr:`expected`."""
+    their request) whose place has not lapsed: each counts as :attr:`expected` did when it
+    entered."""
+    reserving: int = 0
+    """Calls holding those places."""
     prior_examples: float = 0.0
     """What a call at the door counts as before any request was admitted (the gateway: its
     per-request limit, the worst case)."""
@@ -97,6 +136,12 @@ class Admission:
     peak_examples: int = 0
     """The largest request admitted in the last :data:`PEAK_WINDOW_S` (about)."""
     peak_at: float = 0.0
+    hold_s: float = DOOR_HOLD_S
+    """How long a place at the door counts: the time a request should take to arrive."""
+    read_timeout_s: float = READ_TIMEOUT_S
+    """How long a call past the door may take to send its request (then DEADLINE_EXCEEDED)."""
+    places: deque[Place] = field(default_factory=deque, repr=False)
+    """Places in entry order (so in order of lapsing); admitted ones are dropped lazily."""
 
     def admit(self, examples: int, time_remaining: float | None, ids: int = 0) -> None:
         """Reserve ``examples`` and ``ids`` or raise :class:`ScoreError` (the caller must
@@ -109,12 +154,11 @@ class Admission:
             )
         self.in_flight += examples
         self.ids_in_flight += ids
-        own, own_ids = _DOOR.get(), _DOOR_IDS.get()
-        if own or own_ids:  # this call's place at the door becomes its real size
-            self.reserved -= own
-            self.reserved_ids -= own_ids
-            _DOOR.set(0.0)
-            _DOOR_IDS.set(0.0)
+        place = _DOOR.get()
+        if place is not None:  # this call's place at the door becomes its real size
+            if place.live:
+                self._drop(place)
+            _DOOR.set(None)
         now = time.monotonic()
         self.deadline_refusals, self.last_admit_at = 0, now
         if examples >= self.peak_examples or now - self.peak_at > PEAK_WINDOW_S:
@@ -157,40 +201,85 @@ class Admission:
             f"{self.max_examples}; retry with backoff",
         )
 
-    def door_full(self) -> bool:
+    def door_full(self, now: float | None = None) -> bool:
         """No room for one more call: what is admitted, plus what the calls past the door are
-        expected to bring, plus this one, is over the budget."""
-        busy = self.in_flight + self.reserved
-        if busy > 0 and busy + self.expected > self.max_examples:
+        expected to bring (places not lapsed, at most :data:`RESERVED_SHARE` of the budget),
+        plus this one, is over the budget."""
+        now = time.monotonic() if now is None else now
+        self._lapse(now)
+        busy = self.in_flight + min(self.reserved, RESERVED_SHARE * self.max_examples)
+        if busy > 0 and busy + self.expected_at(now) > self.max_examples:
             return True
-        busy_ids = self.ids_in_flight + self.reserved_ids  # ids: counted once sizes are known
-        return self.max_ids is not None and busy_ids > 0 and busy_ids + self.peak_ids > self.max_ids
+        if self.max_ids is None:
+            return False
+        # ids: counted once sizes are known
+        busy_ids = self.ids_in_flight + min(self.reserved_ids, RESERVED_SHARE * self.max_ids)
+        return busy_ids > 0 and busy_ids + aged(self.peak_ids, self.peak_ids_at, now) > self.max_ids
+
+    def door_refusal(self) -> ScoreError:
+        """The door's refusal (counted): what is in flight and what the places hold."""
+        counted = min(self.reserved, RESERVED_SHARE * self.max_examples)
+        return self.refusal(
+            message=f"overloaded: {self.in_flight:,} examples in flight + {counted:,.0f} "
+            f"reserved by {self.reserving} calls still receiving their request; the limit is "
+            f"{self.max_examples:,}; retry with backoff"
+        )
 
     @property
     def expected(self) -> float:
-        """Examples a call at the door counts as: the largest request of the last
-        :data:`PEAK_WINDOW_S` (the worst case, ``prior_examples``, before the first)."""
-        return float(self.peak_examples) if self.sizes_known else self.prior_examples
+        """Examples a call at the door counts as (:meth:`expected_at` now)."""
+        return self.expected_at(time.monotonic())
+
+    def expected_at(self, now: float) -> float:
+        """The largest request of the last :data:`PEAK_WINDOW_S`, fading after it
+        (:func:`aged`); the worst case, ``prior_examples``, before the first admission."""
+        if not self.sizes_known:
+            return self.prior_examples
+        return aged(self.peak_examples, self.peak_at, now)
 
     @property
     def sizes_known(self) -> bool:
         """A request was admitted (every admitted request has at least one example)."""
         return self.peak_examples > 0
 
-    def enter(self) -> tuple[contextvars.Token[float], contextvars.Token[float]]:
-        """A call passes the door: hold :attr:`expected` examples and :attr:`peak_ids` ids for
-        it until :meth:`admit` (in the same task) or :meth:`leave`."""
-        expected, ids = self.expected, float(self.peak_ids)
-        self.reserved += expected
-        self.reserved_ids += ids
-        return _DOOR.set(expected), _DOOR_IDS.set(ids)
+    def enter(self) -> contextvars.Token[Place | None]:
+        """A call passes the door: hold :attr:`expected` examples and the recent peak of ids
+        for it, for :attr:`hold_s` at most, until :meth:`admit` (in the same task) or
+        :meth:`leave`."""
+        now = time.monotonic()
+        place = Place(
+            self.expected_at(now), aged(self.peak_ids, self.peak_ids_at, now), now + self.hold_s
+        )
+        self.reserved += place.examples
+        self.reserved_ids += place.ids
+        self.reserving += 1
+        self.places.append(place)
+        return _DOOR.set(place)
 
-    def leave(self, tokens: tuple[contextvars.Token[float], contextvars.Token[float]]) -> None:
+    def leave(self, token: contextvars.Token[Place | None]) -> None:
         """The call is done: drop its place at the door if :meth:`admit` did not take it."""
-        self.reserved -= _DOOR.get()
-        self.reserved_ids -= _DOOR_IDS.get()
-        _DOOR.reset(tokens[0])
-        _DOOR_IDS.reset(tokens[1])
+        place = _DOOR.get()
+        if place is not None and place.live:
+            self._drop(place)
+        _DOOR.reset(token)
+
+    def _drop(self, place: Place) -> None:
+        place.live = False
+        self.reserving -= 1
+        if self.reserving:
+            self.reserved -= place.examples
+            self.reserved_ids -= place.ids
+        else:  # none left: exactly nothing (no float residue)
+            self.reserved = self.reserved_ids = 0.0
+
+    def _lapse(self, now: float) -> None:
+        """Places whose time is up stop counting; dropped ones leave the queue (each place is
+        appended once and removed once: O(1) amortised per call)."""
+        places = self.places
+        while places and (not places[0].live or places[0].until <= now):
+            place = places.popleft()
+            if place.live:
+                self._drop(place)
 
     def release(self, examples: int, ids: int = 0) -> None:
         self.in_flight -= examples
@@ -245,18 +334,19 @@ class AdmissionInterceptor(WrappingInterceptor):
         admission = self.admission
 
         async def gate(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            while admission.door_full():
-                if admission.sizes_known:  # refused at once
-                    e = admission.refusal()
-                    await context.abort(e.code, e.message)
-                # before the first admission the door counts every call at the worst case
-                # (``prior_examples``): a call that does not fit waits, unread, for the first
-                # real size (a burst of small calls at start is not refused for fear of large
-                # ones; a burst of large ones is refused once the first is admitted)
-                await asyncio.sleep(DOOR_POLL_S)
+            if admission.door_full():
+                await wait_at_door(admission, context)
             token = admission.enter()
             try:
-                request = await context.read()
+                try:  # a timer, not a task: microseconds per call
+                    async with asyncio.timeout(admission.read_timeout_s):
+                        request = await context.read()
+                except TimeoutError:
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no request message within {admission.read_timeout_s:g} s of the "
+                        "call's start (limits.read_timeout_s): send the request with the call",
+                    )
                 if request is grpc.aio.EOF:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
                 return await inner(request, context)  # its admit() takes over the place
@@ -266,3 +356,21 @@ class AdmissionInterceptor(WrappingInterceptor):
         return grpc.stream_unary_rpc_method_handler(
             gate, handler.request_deserializer, handler.response_serializer
         )
+
+
+async def wait_at_door(admission: Admission, context: grpc.aio.ServicerContext) -> None:
+    """A call the door has no room for: refused at once once sizes are known. Before the first
+    admission the door counts every call at the worst case (``prior_examples``): a call that
+    does not fit waits, unread, for the first real size or for places to lapse, at most
+    :attr:`Admission.hold_s` (a burst of small calls at start is not refused for fear of large
+    ones; a burst of large ones is refused once the first is admitted)."""
+    give_up = time.monotonic() + admission.hold_s
+    while not admission.sizes_known:
+        await asyncio.sleep(DOOR_POLL_S)
+        now = time.monotonic()
+        if not admission.door_full(now):
+            return
+        if now >= give_up:
+            break
+    e = admission.door_refusal()
+    await context.abort(e.code, e.message)

@@ -19,6 +19,7 @@ metrics interceptors cover every service).
 from __future__ import annotations
 
 import importlib.metadata
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ class Tensor:
     datatype: str
     dtype: str  # little-endian numpy dtype of raw contents
     field: str  # InferTensorContents field of typed contents
+    dims: int  # dimensions of the model's tensor (its shape's length)
 
     def shape(self, schema: Schema) -> list[int]:
         """The tensor's shape in metadata; -1 = any (batch, ids)."""
@@ -61,11 +63,20 @@ class Tensor:
 
 
 INPUTS = (
-    Tensor("dense", "FP32", "<f4", "fp32_contents"),
-    Tensor("values", "INT64", "<i8", "int64_contents"),
-    Tensor("lengths", "INT32", "<i4", "int_contents"),
+    Tensor("dense", "FP32", "<f4", "fp32_contents", 2),
+    Tensor("values", "INT64", "<i8", "int64_contents", 1),
+    Tensor("lengths", "INT32", "<i4", "int_contents", 2),
 )
-SCORES = Tensor(OUTPUT, "FP32", "<f4", "fp32_contents")
+SCORES = Tensor(OUTPUT, "FP32", "<f4", "fp32_contents", 1)
+# dimensions of a shape echoed in an error (a shape is as long as the client makes it)
+ECHO_DIMS = 8
+
+
+def _shown(shape: list[int]) -> str:
+    """``shape`` for an error message, cut after :data:`ECHO_DIMS` dimensions."""
+    if len(shape) <= ECHO_DIMS:
+        return str(shape)
+    return f"{str(shape[:ECHO_DIMS])[:-1]}, ...]"
 
 
 def _tensor(t: Any, spec: Tensor, raw: bytes | None) -> np.ndarray:
@@ -75,9 +86,16 @@ def _tensor(t: Any, spec: Tensor, raw: bytes | None) -> np.ndarray:
             f"input '{t.name}': datatype {t.datatype or '(none)'}, the model takes {spec.datatype}"
         )
     shape = [int(d) for d in t.shape]
+    if len(shape) != spec.dims:  # before any arithmetic: numpy takes at most 32 or 64
+        raise InvalidRequest(
+            f"input '{t.name}': shape {_shown(shape)} has {len(shape)} dimensions; the model "
+            f"takes {spec.dims}"
+        )
     if any(d < 0 for d in shape):
         raise InvalidRequest(f"input '{t.name}': shape {shape} has a negative dimension")
-    count = int(np.prod(shape, dtype=np.int64))
+    # exact (Python ints): np.prod in int64 wrapped [2^32, 2^32] to 0 elements, which 0 bytes
+    # matched, and the reshape below raised (UNKNOWN); a count this large matches nothing sent
+    count = math.prod(shape)
     if raw is not None:
         if t.HasField("contents"):
             raise InvalidRequest(

@@ -66,7 +66,11 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         self.coalescers: dict[str, Coalescer] = {}  # per version: a merged call is one version
         lim = cfg.limits
         self.admission = Admission(
-            lim.max_inflight_examples, lim.max_inflight_ids, prior_examples=lim.max_examples
+            lim.max_inflight_examples,
+            lim.max_inflight_ids,
+            prior_examples=lim.max_examples,
+            hold_s=lim.door_hold_s,
+            read_timeout_s=lim.read_timeout_s,
         )
 
     @property

@@ -48,6 +48,16 @@ class Limits:
     only its examples (1,000 examples x 26 features x 64 ids = 1.66M ids; x 1 id = 26k). A
     request beyond it is refused like one beyond ``max_inflight_examples``; with nothing in
     flight any request within the per-request limits is admitted."""
+    door_hold_s: float = 1.0
+    """How long a call whose request is still arriving holds a place in the budgets (as the
+    largest recent request); then its place lapses, so idle streams cannot hold the budget."""
+    read_timeout_s: float = 10.0
+    """A call that has not sent its request this many seconds after it started ends with
+    DEADLINE_EXCEEDED (it frees its stream)."""
+
+    def __post_init__(self) -> None:
+        if not (self.door_hold_s > 0 and self.read_timeout_s > 0):
+            raise ValueError("limits.door_hold_s and limits.read_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,13 @@ one vectorized pass (``serving.gateway.varint``). Python only walks the ~30 fiel
 message; a small request as clients send it is checked and decoded in one more Python pass
 (:func:`_small`) and a handful of numpy calls.
 
-Anything but the canonical encoding that protobuf writers emit (unpacked repeated fields, unknown
-fields, fields split in several pieces, a truncated or malformed buffer) returns ``None``, and
-the caller takes protobuf's own parser instead: this module is a fast path with protobuf as its
-reference, never a second opinion on what is valid (tests compare both on random and fuzzed
-requests).
+A feature's ids and lengths may each also come unpacked, one field per value (legal protobuf,
+what proto2-style writers emit): the run of fields is read in one vectorized pass too (one
+field per id once cost 16x the packed request, 129 ms of CPU for 3.4 MB, in protobuf's objects).
+Anything else (unknown fields, fields split in several pieces or out of order, a truncated or
+malformed buffer) returns ``None``, and the caller takes protobuf's own parser instead: this
+module is a fast path with protobuf as its reference, never a second opinion on what is valid
+(tests compare both on random and fuzzed requests).
 
 Work is bounded by the schema before any loop can run long: more ``sparse`` entries than the
 model has features is INVALID_ARGUMENT the moment the one too many is seen (a 4 MB request of
@@ -59,6 +61,8 @@ except ImportError:  # pragma: no cover - depends on the install
 NUM_EXAMPLES, DENSE, SPARSE, MODEL_VERSION = 0x08, 0x12, 0x1A, 0x22
 NAME, IDS, LENGTHS = 0x0A, 0x12, 0x1A
 _FEATURE_TAGS = (NAME, IDS, LENGTHS)  # in field order, as protobuf writes them
+IDS_VARINT, LENGTHS_VARINT = 0x10, 0x18  # the same fields unpacked: one varint per field
+_RUN_TAGS = (-1, IDS_VARINT, LENGTHS_VARINT)
 
 Parsed = tuple[int, np.ndarray, list[tuple[str, bytes | memoryview, bytes | memoryview]], str]
 _EMPTY = memoryview(b"")
@@ -158,10 +162,16 @@ def _feature(
     buf: bytes, pos: int, end: int, view: memoryview
 ) -> tuple[str, bytes | memoryview, bytes | memoryview] | None:
     """One SparseFeature: its name and the packed bytes of its ids and lengths, in field
-    order, each at most once (as protobuf writes them; anything else: None)."""
-    found = [_EMPTY, _EMPTY, _EMPTY]  # name, ids, lengths
+    order, each at most once (as protobuf writes them: ids and lengths each one packed field
+    or a run of unpacked ones, :func:`_run`; anything else: None)."""
+    found: list[bytes | memoryview] = [_EMPTY, _EMPTY, _EMPTY]  # name, ids, lengths
     for k, tag in enumerate(_FEATURE_TAGS):
-        if pos < end and buf[pos] == tag:
+        if pos < end and buf[pos] == _RUN_TAGS[k]:
+            run = _run(buf, pos, end, _RUN_TAGS[k])
+            if run is None:
+                return None
+            found[k], pos = run
+        elif pos < end and buf[pos] == tag:
             n = buf[pos + 1]
             pos += 2
             if n >= 0x80:  # over 127 bytes: two bytes of length up to 16 KB, else the general case
@@ -175,6 +185,34 @@ def _feature(
             found[k] = view[pos : pos + n]
             pos += n
     return (str(found[0], "utf-8"), found[1], found[2]) if pos == end else None
+
+
+def _run(buf: bytes, pos: int, end: int, tag: int) -> tuple[bytes, int] | None:
+    """The run of unpacked fields ``tag`` at ``pos`` (each the one-byte tag, then a varint)
+    -> (their values as packed varints, the position past the run); None when a value is cut
+    or longer than 10 bytes. One vectorized pass: the bytes up to ``end`` split as varints, a
+    tag and a value in turn while the tags last (exact as far as the run goes, whatever comes
+    after it); then the tags are dropped (a strided slice when every value is one byte, as
+    lengths and small ids are)."""
+    data = np.frombuffer(buf, np.uint8, end - pos, pos)
+    last = np.flatnonzero(data < 0x80)  # each varint's last byte
+    tags = np.empty((last.size + 1) // 2, np.int64)  # where the even varints start
+    tags[:1] = 0
+    np.add(last[1 : 2 * tags.size - 1 : 2], 1, out=tags[1:])
+    ok = data[tags] == tag
+    n = int(ok.argmin()) if not ok.all() else ok.size  # fields in the run
+    if 2 * n > last.size:
+        return None  # a tag whose value is cut off
+    sizes = last[1 : 2 * n : 2] - tags[:n]
+    longest = int(sizes.max(initial=0))
+    if longest > 10:
+        return None
+    stop = int(last[2 * n - 1]) + 1
+    if longest == 1:
+        return data[1:stop:2].tobytes(), pos + stop
+    keep = np.ones(stop, bool)
+    keep[tags[:n]] = False
+    return data[:stop][keep].tobytes(), pos + stop
 
 
 def decode_score_request(buf: bytes, schema: Schema, limits: Limits) -> tuple[Arrays, str]:

@@ -23,7 +23,7 @@ from recsys_stack.net import free_ports
 from serving.gateway import kserve
 from serving.gateway.config import AuthConfig, MetricsConfig
 from serving.gateway.validate import InvalidRequest
-from serving.stubs import kserve_pb2
+from serving.stubs import kserve_pb2, kserve_pb2_grpc
 from tests.stack import (
     Stack,
     gateway_metrics,
@@ -250,6 +250,38 @@ def test_no_token_is_unauthenticated_and_calls_are_counted(
     finally:
         client.close()
         assert stop_gateway(gateway) == 0
+
+
+# shapes whose element count is over 2^63 (np.prod in int64 wrapped them to 0 or a negative
+# count: the reshape then raised and the call ended UNKNOWN) or with more dimensions than the
+# model's tensor (numpy's reshape refuses over 32 or 64: UNKNOWN too)
+HUGE_SHAPES = [
+    ("dense", [1 << 32, 1 << 32], "shape [4294967296, 4294967296]"),
+    ("values", [1 << 62, 4], "2 dimensions; the model takes 1"),
+    ("dense", [3037000500, 3037000500], "shape [3037000500, 3037000500]"),
+    ("lengths", [1] * 70, "70 dimensions; the model takes 2"),
+]
+
+
+@pytest.mark.parametrize(("name", "shape", "message"), HUGE_SHAPES, ids=lambda x: str(x)[:20])
+def test_a_shape_that_overflows_is_invalid_argument_through_grpc(
+    stack: Stack, served: tuple[str, str, str], name: str, shape: list[int], message: str
+) -> None:
+    """Review item 14: ``np.prod`` of a shape wrapped around in int64 and the call ended
+    UNKNOWN; the real KServe v2 gRPC path must answer INVALID_ARGUMENT naming the input."""
+    request, _ = _request(raw=True)
+    request.model_name = served[0]
+    k = [spec.name for spec in kserve.INPUTS].index(name)
+    del request.inputs[k].shape[:]
+    request.inputs[k].shape.extend(shape)
+    request.raw_input_contents[k] = b""
+    with grpc.insecure_channel(stack.target) as channel:
+        infer = kserve_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        with pytest.raises(grpc.RpcError) as e:
+            infer(request, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert f"input '{name}'" in (e.value.details() or "") and message in e.value.details()
+    assert len(e.value.details() or "") < 400
 
 
 # --- in process: decoding, the form of the reply --------------------------------------------
