@@ -1,8 +1,22 @@
 """Who may call the gateway: bearer tokens from a file, TLS and mutual TLS.
 
-- :class:`TokenFile`: the accepted tokens, one per line (``#`` comments and blank lines
-  ignored), re-read when the file's mtime/size change (checked at most once a second), so a
-  token is added or revoked by editing the file, without a restart. Tokens are kept as SHA-256
+The token file (:func:`write_token_file` makes one: ``make serve``, compose's init step):
+UTF-8 text, one token per line; blank lines are ignored and a word that starts with ``#``
+starts a comment to the end of the line, alone on its line or after a token and whitespace
+(``<token>  # issued 2026-12``; a ``#`` inside a token is part of it). A token is printable and
+has no whitespace: a line of two words, or a control character, makes the whole file
+unparsable (never half-read).
+
+- :class:`TokenFile`: the accepted tokens are those of the file's last read. It is read again
+  when it changes (serving/gateway/watched.py: inode, size, times and content, so a same-size
+  edit in place counts), looked at at most once a second, on a call and on each health round;
+  a token is added or revoked by editing the file, without a restart. **Fail closed**: at start
+  a file that cannot be used stops the gateway (one line, exit 2); while it runs, an emptied,
+  deleted, unreadable or unparsable file accepts no token: every call ends UNAUTHENTICATED
+  saying what is wrong with the file, health is NOT_SERVING and
+  ``recsys_gateway_auth_token_file_ok`` is 0, until the file is fixed. The last good tokens are
+  never kept (the edit may be a revocation). Serving without tokens is a config choice only (no
+  ``auth.token_file``), never the result of what the file holds. Tokens are kept as SHA-256
   digests and a presented token is compared with :func:`hmac.compare_digest` against each.
 - :class:`AuthInterceptor`: a ``grpc.aio`` server interceptor; a call without
   ``authorization: Bearer <token>`` of the file ends UNAUTHENTICATED before the servicer runs.
@@ -35,73 +49,111 @@ import grpc
 
 from serving.gateway.config import TOKEN_FILE_ENV, TOKEN_FILE_NAME, AuthConfig, TlsConfig
 from serving.gateway.rpc import HandlerInterceptor
+from serving.gateway.watched import WatchedFile
 
 logger = logging.getLogger("serving.gateway.auth")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-RECHECK_S = 1.0  # how often the token file's stat is looked at, at most
+RECHECK_S = 1.0  # how often the token file is looked at, at most
 
 
 class AuthError(ValueError):
     """The token file or the TLS files cannot be used (one line, names the file)."""
 
 
-def read_tokens(path: Path) -> list[str]:
-    """The tokens of ``path``: one per line, ``#`` comments and blank lines ignored."""
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise AuthError(f"auth.token_file {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise AuthError(f"auth.token_file {path}: not UTF-8 text") from None
-    tokens = [ln.strip() for ln in text.splitlines()]
-    tokens = [t for t in tokens if t and not t.startswith("#")]
-    for n, t in enumerate(tokens, 1):
-        if any(c.isspace() for c in t) or not t.isprintable():
-            raise AuthError(f"auth.token_file {path}: token {n} has spaces or control characters")
+def parse_tokens(text: str, where: str) -> list[str]:
+    """The tokens of a token file's ``text`` (format: the module docstring); AuthError naming
+    ``where`` and the line, never the token, when a line is not one token."""
+    tokens = []
+    for n, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        words = words[: next((i for i, w in enumerate(words) if w.startswith("#")), len(words))]
+        if len(words) > 1:
+            raise AuthError(
+                f"{where}: line {n}: more than one word (one token per line; a comment starts "
+                "with '#' after whitespace)"
+            )
+        if words and not words[0].isprintable():
+            raise AuthError(f"{where}: line {n}: control characters in the token")
+        tokens += words
     if not tokens:
-        raise AuthError(f"auth.token_file {path}: no token in it (one per line)")
+        raise AuthError(f"{where}: no token in it (one per line)")
     return tokens
+
+
+def read_tokens(path: Path) -> list[str]:
+    """The tokens of the file ``path``; AuthError when it cannot be read or parsed or has none."""
+    where = f"auth.token_file {path}"
+    try:
+        text = Path(path).read_bytes().decode()
+    except OSError as e:
+        raise AuthError(f"{where}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise AuthError(f"{where}: not UTF-8 text") from None
+    return parse_tokens(text, where)
 
 
 def _digest(token: bytes) -> bytes:
     return hashlib.sha256(token).digest()
 
 
+def _report(path: str, ok: bool) -> None:
+    # imported here, on the gateway's side only: clients of this module (the Locust image)
+    # run without prometheus_client
+    from serving.gateway import metrics
+
+    metrics.token_file(path, ok)
+
+
 class TokenFile:
-    """Accepted tokens, re-read when the file changes; a bad edit keeps the last good set."""
+    """The tokens of the file's last read, read again when it changes; none while the file
+    cannot be used (:attr:`problem` says why)."""
 
     def __init__(self, path: Path, recheck_s: float = RECHECK_S) -> None:
         self.path = Path(path)
         self.recheck_s = recheck_s
-        self._digests = [_digest(t.encode()) for t in read_tokens(self.path)]
-        self._stamp = self._stat()
+        self.problem = ""
+        """Why no token is accepted ("" = the file's tokens are in force)."""
+        self._file = WatchedFile(self.path)
+        self._file.mark()
+        self._digests = [_digest(t.encode()) for t in read_tokens(self.path)]  # or not started
+        self._label = os.path.abspath(self.path)  # the metric's (not resolved: a rotated link)
         self._next_check = time.monotonic() + recheck_s
+        _report(self._label, ok=True)
 
-    def _stat(self) -> tuple[int, int]:
-        try:
-            st = self.path.stat()
-        except OSError:
-            return (-1, -1)
-        return (st.st_mtime_ns, st.st_size)
-
-    def _maybe_reload(self) -> None:
+    def refresh(self) -> str:
+        """Read the file again if it changed (looked at once per ``recheck_s`` at most);
+        :attr:`problem` then."""
         now = time.monotonic()
-        if now < self._next_check:
-            return
-        self._next_check = now + self.recheck_s
-        stamp = self._stat()
-        if stamp == self._stamp:
-            return
-        self._stamp = stamp
+        if now >= self._next_check:
+            self._next_check = now + self.recheck_s
+            if self._file.changed():
+                self._reload()
+        return self.problem
+
+    def _reload(self) -> None:
+        self._file.mark()  # before reading: a write meanwhile is seen by the next look
         try:
-            self._digests = [_digest(t.encode()) for t in read_tokens(self.path)]
-            logger.info("auth: re-read %s (%d tokens)", self.path, len(self._digests))
+            tokens = read_tokens(self.path)
         except AuthError as e:
-            logger.error("%s; keeping the previous %d tokens", e, len(self._digests))
+            self._digests = []  # fail closed: the edit that broke the file may be a revocation
+            self.problem = (
+                f"{e}: every call is refused until the file holds one token per line ('#' "
+                "comments allowed; it is re-read when it changes)"
+            )
+            logger.error("%s", self.problem)
+            _report(self._label, ok=False)
+            return
+        self._digests = [_digest(t.encode()) for t in tokens]
+        logger.info(
+            "auth: re-read %s (%d tokens)%s", self.path, len(tokens),
+            "; calls are accepted again" if self.problem else "",
+        )  # fmt: skip
+        self.problem = ""
+        _report(self._label, ok=True)
 
     def accepts(self, token: bytes) -> bool:
         """True when ``token`` is one of the file's (constant time per stored token)."""
-        self._maybe_reload()
+        self.refresh()
         d = _digest(token)
         ok = False
         for stored in self._digests:  # no early exit: time does not say which one matched
@@ -121,9 +173,7 @@ def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
 
 def _denier(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED."""
-    # imported here, on the gateway's side only: clients of this module (the Locust image)
-    # run without prometheus_client
-    from serving.gateway import metrics
+    from serving.gateway import metrics  # the gateway's side only (see _report)
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         metrics.rejected("unauthenticated")
@@ -163,6 +213,8 @@ class AuthInterceptor(HandlerInterceptor):
         token = bearer_token(details.invocation_metadata)
         if token is not None and self.tokens.accepts(token):
             return handler
+        if problem := self.tokens.refresh():  # no token can be accepted: say why
+            return _denier(handler, problem)  # not cached: its text changes with the file
         why = "no bearer token" if token is None else "the bearer token is not accepted"
         key = (method, why)  # the message is part of the handler: one per method and reason
         denier = self._deniers.get(key)
@@ -172,6 +224,15 @@ class AuthInterceptor(HandlerInterceptor):
                 "gateway's auth.token_file",
             )  # fmt: skip
         return denier
+
+
+def refusal(gate: Sequence[HandlerInterceptor]) -> str:
+    """Why the auth interceptors ``gate`` (:func:`interceptors`) refuse every call now ("" =
+    they do not): the health poller reports NOT_SERVING with it."""
+    for interceptor in gate:
+        if isinstance(interceptor, AuthInterceptor) and (problem := interceptor.tokens.refresh()):
+            return problem
+    return ""
 
 
 def read_pem(key: str, path: str) -> bytes:

@@ -88,7 +88,8 @@ class AuthConfig:
 
     token_file: str = env_field(TOKEN_FILE_ENV, "")
     """File of accepted tokens, one per line (``#`` comments and blank lines ignored), re-read
-    when it changes; calls must carry ``authorization: Bearer <token>``. Empty = no
+    when it changes; calls must carry ``authorization: Bearer <token>``. A file emptied,
+    deleted or unparsable while serving accepts no token (fail closed). Empty = no
     authentication (refused on a non-loopback host unless ``allow_unauthenticated``)."""
     allow_unauthenticated: bool = False
     """Serve a non-loopback host without a token file (anyone reaching the port can score)."""

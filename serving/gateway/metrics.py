@@ -31,6 +31,10 @@ Exported (prefix ``recsys_gateway_``):
   (histogram of each OK request's mean click probability): traffic, errors and predicted CTR
   per version, to compare a canary with the default while a rollout shifts traffic (the
   rollout's error gate reads them, serving/tools/canary.py).
+- ``auth_token_file_ok{token_file}``: 1 while the tokens of ``auth.token_file`` are in force, 0
+  while it is emptied, deleted, unreadable or unparsable and every call is refused (absent
+  without a token file); ``auth_token_file_errors_total{token_file}``: reads of it that failed
+  (serving/gateway/auth.py).
 """
 
 from __future__ import annotations
@@ -141,6 +145,15 @@ class GatewayMetrics:
             f"{PREFIX}_backend_serving_info", "what a backend's workers serve for a version "
             "(1 per backend and version in rotation)",
             ["backend", "model_version", "device", "variant", "dtype"], registry=r,
+        )  # fmt: skip
+        self.token_file_ok = Gauge(
+            f"{PREFIX}_auth_token_file_ok", "1 while the token file's tokens are in force, 0 "
+            "while it cannot be used and every call is refused", ["token_file"], registry=r,
+        )  # fmt: skip
+        self.token_file_errors = Counter(
+            f"{PREFIX}_auth_token_file_errors", "reads of the token file that failed (empty, "
+            "missing, unreadable, unparsable): no token accepted after each", ["token_file"],
+            registry=r,
         )  # fmt: skip
         self._serving: dict[tuple[str, str], tuple[str, ...]] = {}
         self._by_version: dict[str, tuple[Any, Any]] = {}
@@ -260,6 +273,15 @@ def rejected(reason: str) -> None:
         child.inc()
 
 
+def token_file(path: str, ok: bool) -> None:
+    """The token file ``path`` was read: ``ok`` = its tokens are in force; else none is and
+    every call is refused (serving/gateway/auth.py)."""
+    if _current is not None:
+        _current.token_file_ok.labels(path).set(1.0 if ok else 0.0)
+        if not ok:
+            _current.token_file_errors.labels(path).inc()
+
+
 def hedged(backend: str) -> None:
     """A slow call's second copy goes to ``backend`` (serving/gateway/hedge.py)."""
     if _current is not None:
@@ -363,4 +385,5 @@ def start_server(m: GatewayMetrics, host: str, port: int) -> MetricsServer | Non
 __all__ = [
     "GatewayMetrics", "MetricsInterceptor", "MetricsServer", "backend_call", "call_slots", "configure",
     "examples", "failed", "failover", "rejected", "scored", "show_plan", "start_server",
+    "token_file",
 ]  # fmt: skip

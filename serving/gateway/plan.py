@@ -37,6 +37,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from serving.gateway.watched import WatchedFile
+
 if TYPE_CHECKING:  # the gateway's schema (numpy-free import here: TorchServe's config reads plans)
     from serving.gateway.validate import Schema
 
@@ -308,14 +310,15 @@ def differing(a: Version | Schema, b: Version | Schema, a_name: str, b_name: str
 
 
 class PlanWatcher:
-    """Re-reads the serving plan file when it changes (mtime, size); a plan that cannot be
-    served here (unreadable, another model, another request contract, a generation older than
-    the one applied) is logged once and the gateway keeps the plan it has."""
+    """Re-reads the serving plan file when it changes (serving/gateway/watched.py: inode,
+    size, times and content); a plan that cannot be served here (unreadable, another model,
+    another request contract, a generation older than the one applied) is logged once and the
+    gateway keeps the plan it has."""
 
     def __init__(self, path: Path, schema: Schema) -> None:
         self.path = path
         self.schema = schema
-        self._stamp: tuple[int, int] | None = None
+        self._file = WatchedFile(path)
         self.generation: int | None = None
         """Generation of the last plan :meth:`load` returned (the one applied)."""
 
@@ -334,17 +337,10 @@ class PlanWatcher:
             )
         return p
 
-    def _stat(self) -> tuple[int, int] | None:
-        try:
-            st = self.path.stat()
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size
-
     def load(self) -> Plan:
         """The plan now in the file, checked for this gateway (:class:`PlanError` if it cannot
         be served); :meth:`poll` returns nothing new until the file changes again."""
-        self._stamp = self._stat()  # before reading: a write meanwhile is seen by the next poll
+        self._file.mark()  # before reading: a write meanwhile is seen by the next poll
         p = self.check(load(self.path))
         if self.generation is not None and p.generation < self.generation:
             raise PlanError(
@@ -356,8 +352,7 @@ class PlanWatcher:
 
     def poll(self) -> Plan | None:
         """The plan if the file changed since the last load (first call: always), else None."""
-        stamp = self._stat()
-        if stamp == self._stamp and stamp is not None:
+        if not self._file.changed():
             return None
         try:
             return self.load()

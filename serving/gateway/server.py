@@ -24,14 +24,14 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from recsys_stack.config import ConfigError, parse
 from serving.gateway import kserve, metrics
 from serving.gateway.admission import AdmissionInterceptor
-from serving.gateway.auth import AuthError, check_exposure, server_credentials
+from serving.gateway.auth import AuthError, check_exposure, refusal, server_credentials
 from serving.gateway.auth import interceptors as auth_interceptors
 from serving.gateway.backends import BackendPool
 from serving.gateway.config import GatewayConfig
 from serving.gateway.memory import keep_freed_memory
 from serving.gateway.plan import Plan, PlanError, PlanWatcher, ordered, schema_plan
 from serving.gateway.ranker import ENVELOPE_BYTES, SERVICE, Ranker
-from serving.gateway.rpc import Chain, Routes, add_servicer
+from serving.gateway.rpc import Chain, HandlerInterceptor, Routes, add_servicer
 from serving.gateway.validate import Schema
 from serving.stubs import kserve_pb2, ranker_pb2, ranker_pb2_grpc, reflection_pool
 from serving.torchserve.keys import KeyFileError, read_keys
@@ -83,10 +83,12 @@ async def poll_health(
     ranker: Ranker,
     watcher: PlanWatcher | None,
     servicer: health.aio.HealthServicer,
+    auth_gate: Sequence[HandlerInterceptor] = (),
 ) -> None:
     """Applies plan changes, probes every backend for every version; SERVING while at least
-    one backend answers for the default version and the deadline gate is not refusing every
-    call (:meth:`Admission.refusing_all`), NOT_SERVING otherwise."""
+    one backend answers for the default version, the deadline gate is not refusing every
+    call (:meth:`Admission.refusing_all`) and the token file can be used (an emptied or broken
+    one refuses every call: :func:`auth.refusal`), NOT_SERVING otherwise."""
     status = None
     schema = ranker.schema
     while True:
@@ -103,13 +105,16 @@ async def poll_health(
         if ok and ranker.admission.refusing_all():
             logger.warning("the deadline gate refuses every call: NOT_SERVING")
             ok = False
+        if problem := refusal(auth_gate):  # the TokenFile logged it when it broke
+            ok = False
         new = (
             health_pb2.HealthCheckResponse.SERVING
             if ok
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         if new != status:
-            logger.info("gateway is %s", health_pb2.HealthCheckResponse.ServingStatus.Name(new))
+            shown = health_pb2.HealthCheckResponse.ServingStatus.Name(new)
+            logger.info("gateway is %s%s", shown, f" ({problem})" if problem else "")
             status = new
             for name in ("", SERVICE):
                 await servicer.set(name, new)
@@ -153,7 +158,8 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     admission = AdmissionInterceptor(ranker.admission, scoring)
     # metrics outermost: refused calls are counted with their code too; admission after auth:
     # an unauthenticated caller learns nothing about the load. One chain: one level per call
-    routes = Routes(Chain(metrics.MetricsInterceptor(m), *auth_interceptors(cfg.auth), admission))
+    auth_gate = auth_interceptors(cfg.auth)
+    routes = Routes(Chain(metrics.MetricsInterceptor(m), *auth_gate, admission))
     server = grpc.aio.server(options=options)  # no interceptors: routes applies the chain
     m.track_in_flight(lambda: ranker.in_flight)
     add_servicer(routes, ranker_pb2_grpc.add_RankerServicer_to_server, ranker, raw=("Score",))
@@ -189,7 +195,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         plan.model,
         "/".join(ordered(plan)),
     )
-    poller = asyncio.create_task(poll_health(cfg, ranker, watcher, health_servicer))
+    poller = asyncio.create_task(poll_health(cfg, ranker, watcher, health_servicer, auth_gate))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -201,6 +207,11 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     poller.cancel()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    # Calls already handed to our code finish within the grace. Those grpc core has received
+    # but not yet handed over are CANCELLED by it at once (grpc/grpc#41785), and a connection
+    # still in the listener's accept queue (the port shared with a successor: SO_REUSEPORT) is
+    # reset unless net.ipv4.tcp_migrate_req = 1. grpc.aio can neither drain nor close only the
+    # listener first, so our clients retry both (serving/tools/channel.py; docs/chaos.md).
     await server.stop(cfg.grace_s)
     await pool.close()
     if metrics_server is not None:

@@ -2,7 +2,9 @@
 
 Tokens: no token / a wrong token -> UNAUTHENTICATED on Score and reflection, health open, a
 token of the file scores, the file is re-read when it changes, ``serving.tools.client`` finds the
-token through ``RECSYS_GATEWAY_TOKEN_FILE``. TLS and mutual TLS with a throwaway CA made by the
+token through ``RECSYS_GATEWAY_TOKEN_FILE``. Revocation fails closed: an emptied, deleted or
+unparsable file refuses every call (saying why), health NOT_SERVING and the metric 0 until fixed;
+an inline comment and a same-size rotation in place take effect. TLS and mutual TLS with a throwaway CA made by the
 ``openssl`` CLI: TLS calls succeed, plaintext fails, mTLS without a client certificate fails
 (the mTLS gateway also runs with ``auth.protect_health``: health then needs the token).
 A non-loopback host without a token file refuses to start.
@@ -10,11 +12,12 @@ A non-loopback host without a token file refuses to start.
 
 from __future__ import annotations
 
+import os
 import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -23,6 +26,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from recsys_stack.net import free_ports
 from serving.gateway.auth import (
     AuthError,
     TokenFile,
@@ -31,12 +35,12 @@ from serving.gateway.auth import (
     read_tokens,
     write_token_file,
 )
-from serving.gateway.config import AuthConfig, TlsConfig
+from serving.gateway.config import AuthConfig, MetricsConfig, TlsConfig
 from serving.stubs import ranker_pb2_grpc
-from serving.tools.client import build_request
+from serving.tools.client import build_request, gateway_status
 from serving.torchserve.config import TorchServeConfig
 from tests.conftest import ROOT, _env
-from tests.stack import start_gateway, stop_gateway, wait_status
+from tests.stack import gateway_metrics, start_gateway, stop_gateway, wait_status
 
 pytestmark = pytest.mark.slow
 T1, T2, T3 = "token-one-" + "a" * 20, "token-two-" + "b" * 20, "token-three-" + "c" * 20
@@ -49,11 +53,13 @@ def test_token_file_parsing_and_errors(tmp_path: Path) -> None:
     f = tmp_path / "tokens"
     f.write_text(f"# comment\n\n{T1}\n  {T2}  \n")
     assert read_tokens(f) == [T1, T2]
+    f.write_text(f"  # indented comment\n{T1} # inline\n{T2}\t#tab, then a comment\nab#c\n")
+    assert read_tokens(f) == [T1, T2, "ab#c"]  # '#' starts a comment at a word's start only
     f.write_text("# only a comment\n")
     with pytest.raises(AuthError, match="no token"):
         read_tokens(f)
     f.write_text("two words\n")
-    with pytest.raises(AuthError, match="token 1 has spaces"):
+    with pytest.raises(AuthError, match="line 1: more than one word"):
         read_tokens(f)
     with pytest.raises(AuthError, match="missing"):
         read_tokens(tmp_path / "missing")
@@ -67,8 +73,12 @@ def test_token_file_accepts_only_its_tokens_and_rereads(tmp_path: Path) -> None:
     assert not tokens.accepts(T1[:-1].encode()) and not tokens.accepts(b"")
     f.write_text(f"{T3}\n")
     assert tokens.accepts(T3.encode()) and not tokens.accepts(T1.encode())
-    f.write_text("")  # a broken edit keeps the last good set
-    assert tokens.accepts(T3.encode())
+    f.write_text("")  # an emptied file revokes everything (fails closed)
+    assert not tokens.accepts(T3.encode()) and "no token in it" in tokens.problem
+    f.write_text(f"{T3} # inline comment\n")
+    assert tokens.accepts(T3.encode()) and tokens.problem == ""
+    f.unlink()
+    assert not tokens.accepts(T3.encode()) and "No such file" in tokens.problem
 
 
 def test_bearer_token_parsing() -> None:
@@ -223,6 +233,139 @@ def test_client_cli_reads_the_token_file(
     ok = subprocess.run(argv, env={**env, "RECSYS_GATEWAY_TOKEN_FILE": str(tokens)}, **run)  # type: ignore[call-overload]
     assert ok.returncode == 0, ok.stderr
     assert len(ok.stdout.splitlines()) == 3
+
+
+# --- revocation fails closed (a real gateway, its health and its metrics) ------------------------
+
+T4 = "token-four-" + "d" * 19  # as long as T1: a same-size edit in place
+
+
+@pytest.fixture(scope="module")
+def revocable(
+    torchserve: tuple[TorchServeConfig, subprocess.Popen[bytes]],
+    exported: tuple[Path, Path, str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, Path, int]]:
+    """(target, token file, metrics port) of a gateway of its own: the cases break its file."""
+    export, _, _ = exported
+    work = tmp_path_factory.mktemp("revoke")
+    tokens, port = work / "tokens", free_ports(1)[0]
+    tokens.write_text(f"{T1}\n")
+    gateway, target = start_gateway(
+        export / "schema.json", [torchserve[0]], work / "gateway.log",
+        auth=AuthConfig(token_file=str(tokens)), metrics=MetricsConfig(port=port),
+    )  # fmt: skip
+    try:
+        wait_status(target, "SERVING", 120)
+        yield target, tokens, port
+    finally:
+        assert stop_gateway(gateway) == 0
+
+
+def _answer(target: str, request: object, token: str | None) -> tuple[str, str]:
+    """(code, details) of one Score call carrying ``token``."""
+    md = (("authorization", f"Bearer {token}"),) if token else ()
+    with grpc.insecure_channel(target) as ch:
+        try:
+            ranker_pb2_grpc.RankerStub(ch).Score(request, metadata=md, timeout=10)
+            return "OK", ""
+        except grpc.RpcError as e:
+            return str(e.code().name), str(e.details())  # type: ignore[attr-defined]
+
+
+def _file_ok(port: int, tokens: Path) -> float | None:
+    key = ("recsys_gateway_auth_token_file_ok", (("token_file", os.path.abspath(tokens)),))
+    return gateway_metrics(port).get(key)
+
+
+def _until(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
+    """Wait (generously: the machine is shared) until ``check()``; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"never happened within {timeout:.0f} s: {what}"
+        time.sleep(0.25)
+
+
+def _serves_only(
+    target: str, request: object, port: int, tokens: Path, good: str, metric: bool = True
+) -> None:
+    """``good`` is accepted (once re-read), T1 (the leaked one) is not, health is SERVING and
+    (``metric``) the file is reported usable."""
+    _until(f"{good[:10]}... accepted", lambda: _answer(target, request, good)[0] == "OK")
+    if good != T1:
+        assert _answer(target, request, T1)[0] == "UNAUTHENTICATED"
+    _until("health SERVING", lambda: gateway_status(target) == "SERVING")
+    if metric:
+        _until("token_file_ok 1", lambda: _file_ok(port, tokens) == 1.0)
+
+
+def _break(tokens: Path, case: str) -> None:
+    if case == "empty":
+        tokens.write_text("")
+    elif case == "comments only":
+        tokens.write_text("# every token revoked\n\n")
+    elif case == "deleted":
+        tokens.unlink()
+    elif case == "not utf-8":
+        tokens.write_bytes(b"\xff\xfe" + T1.encode() + b"\n")
+    else:  # two words on a line: not one token per line, not a comment either
+        tokens.write_text(f"{T1} {T2}\n")
+
+
+@pytest.mark.parametrize("case", ["empty", "comments only", "deleted", "not utf-8", "two words"])
+def test_a_broken_token_file_refuses_every_call_and_says_so(
+    case: str, revocable: tuple[str, Path, int], exported: tuple[Path, Path, str]
+) -> None:
+    """Emptied, deleted or unparsable: the old tokens stop working at once (not kept from the
+    last good read), every call is told why, health is NOT_SERVING, the metric is 0; a fixed
+    file is served again."""
+    target, tokens, port = revocable
+    request = _request(exported)
+    _serves_only(target, request, port, tokens, T1, metric=False)  # as it starts
+    _break(tokens, case)
+    _until("the old token refused", lambda: _answer(target, request, T1)[0] != "OK")
+    for token in (T1, None):
+        code, details = _answer(target, request, token)
+        assert code == "UNAUTHENTICATED", (code, details)
+        assert str(tokens) in details and "every call is refused" in details, details
+    _until("health NOT_SERVING", lambda: gateway_status(target) == "NOT_SERVING")
+    _until("token_file_ok 0", lambda: _file_ok(port, tokens) == 0.0)
+    tokens.write_text(f"{T2}\n")  # fixed: a new token
+    _serves_only(target, request, port, tokens, T2)
+    tokens.write_text(f"{T1}\n")
+
+
+def test_an_inline_comment_keeps_the_new_token_and_revokes_the_old(
+    revocable: tuple[str, Path, int], exported: tuple[Path, Path, str]
+) -> None:
+    target, tokens, port = revocable
+    request = _request(exported)
+    _serves_only(target, request, port, tokens, T1, metric=False)  # as it starts
+    tokens.write_text(f"# rotated: T1 leaked\n{T2}  # issued 2026-12-02\n")
+    _serves_only(target, request, port, tokens, T2)
+    tokens.write_text(f"{T1}\n")
+
+
+def test_a_same_size_rotation_in_place_is_seen(
+    revocable: tuple[str, Path, int], exported: tuple[Path, Path, str]
+) -> None:
+    """The token replaced in place by one as long, the modification time put back (``cp -p``,
+    ``rsync -t``, or two writes within one tick of the file system's clock): same inode, size
+    and mtime, new content."""
+    target, tokens, port = revocable
+    request = _request(exported)
+    _serves_only(target, request, port, tokens, T1, metric=False)  # as it starts
+    time.sleep(1.5)  # the gateway has looked at the file as it is
+    before = tokens.stat()
+    with open(tokens, "r+") as f:
+        f.write(f"{T4}\n")
+    os.utime(tokens, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = tokens.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino, before.st_size, before.st_mtime_ns,
+    )  # fmt: skip
+    _serves_only(target, request, port, tokens, T4)
+    tokens.write_text(f"{T1}\n")
 
 
 # --- TLS and mutual TLS ------------------------------------------------------------------------
