@@ -4,7 +4,10 @@
 which sets everything below). Each call is reported through ``events.request`` by a client
 interceptor (request_type "grpc", name "recsys.v1.Ranker/Score"), so the User stays thin. A
 reply is a success only if it holds one probability in [0, 1] per example and names the model
-and version (``check_reply``); anything else is a failure with its reason.
+and version (``check_reply``); anything else is a failure with its reason. The channel is
+every tool's (``serving/tools/channel.py``): it retries a call the gateway never ran
+(UNAVAILABLE, CANCELLED: what a gateway takeover costs), so Locust sees one call, its time
+including the retries.
 
 Settings (environment, read by each load process):
   RECSYS_GATEWAY          host:port when ``--host`` is not given (default 127.0.0.1:50051)

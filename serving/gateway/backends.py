@@ -260,23 +260,33 @@ class BackendPool:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     if task.exception() is None:
+                        if task is primary:  # it beat the replica it was hedged to: slow, not
+                            backend.stalled = False  # stalled (else both stall, see pick)
                         return task.result(), copies[task]
             return primary.result(), backend  # both failed: the first copy's error
         finally:
             other.in_flight -= 1
             for task in copies:  # the loser runs out: cancelling leaks (see _orphan)
                 if not task.done():
-                    self._orphan(task)
+                    self._orphan(task, copies[task])
 
-    def _orphan(self, task: asyncio.Future[Any]) -> None:
+    def _orphan(self, task: asyncio.Future[Any], backend: Backend) -> None:
         """Keep the losing copy of a hedged call until it ends by itself (its answer, or its
         deadline: both bounded), its outcome dropped. Not cancelled: grpc.aio leaks the
         native batch of a call cancelled in flight (grpc/grpc#43360, ~1 KB per hedge here,
         so a gateway's RSS grew with every hedge), and TorchServe scores a cancelled call
-        anyway."""
+        anyway. It counts in ``backend``'s calls in flight until it ends: a paused replica's
+        hung copies keep :meth:`pick` away from it (uncounted, it looked idle and took new
+        calls in the chaos run's pause phase)."""
         self._orphans.add(task)
-        task.add_done_callback(self._orphans.discard)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+        backend.in_flight += 1
+
+        def ended(t: asyncio.Future[Any]) -> None:
+            backend.in_flight -= 1
+            self._orphans.discard(t)
+            t.cancelled() or t.exception()  # retrieved: no warning
+
+        task.add_done_callback(ended)
 
     def _hedge_target(self, version: str, tried: set[int]) -> Backend | None:
         """Where a hedge of a call goes now: :meth:`pick`'s choice when it is in rotation (a

@@ -3,7 +3,7 @@
 Scoring has no side effects, so a call that its replica has not answered by the backends'
 recent tail (``hedge.factor`` x the ``hedge.quantile`` of the last :data:`WINDOW` answered
 calls, at least ``hedge.min_ms``) can be sent to another replica in rotation as well; the first answer wins and
-the other call is cancelled. A replica that stalls (a paused process, a long GC, a saturated
+the other copy runs out uncancelled (``BackendPool._orphan``). A replica that stalls (a paused process, a long GC, a saturated
 host) then costs its callers about the tail latency instead of the backend deadline. Every call
 earns ``hedge.ratio`` of a hedge and a hedge spends one, so hedges stay a few percent of calls
 however slow the backends get: overload is never doubled. No hedge before :data:`WARM` calls

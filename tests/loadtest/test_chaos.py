@@ -143,6 +143,9 @@ def test_short_chaos_run(exported: tuple[Path, Path, str], rows_tsv: Path, tmp_p
     phases = report["phases"]
     assert len(phases) == len(events) + 1 and sum(p["requests"] for p in phases) == o["requests"]
     assert all(p["requests"] > 0 and p["p50_ms"] <= p["p99_ms"] <= p["max_ms"] for p in phases)
+    # the takeover costs no call: what the stopping gateway's grpc cancels, or a reset connect
+    # fails, the users' channel retries (serving/tools/channel.py; tests/serving/test_takeover.py)
+    assert phases[-1]["failures"] == 0, phases[-1]
     # both replicas answered; the gateway that took over served the phases after it
     assert report["ok_by_replica"]["a"] > 0 and report["ok_by_replica"]["b"] > 0
     assert set(report["gateways"]) == {"a", "b"}
