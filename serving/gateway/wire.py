@@ -6,9 +6,7 @@ encoding directly: the packed ``dense`` floats are one ``np.frombuffer``, and th
 of every feature's ``ids`` and ``lengths`` are gathered into one byte array each and decoded in
 one vectorized pass (``serving.gateway.varint``). Python only walks the ~30 fields of the
 message; a small request as clients send it is checked and decoded in one more Python pass
-(:func:`_small`) and a handful of numpy calls.
-
-A feature's ids and lengths may each also come unpacked, one field per value (legal protobuf,
+(:func:`_small`) and a handful of numpy calls. A feature's ids and lengths may each also come unpacked, one field per value (legal protobuf,
 what proto2-style writers emit): the run of fields is read in one vectorized pass too (one
 field per id once cost 16x the packed request, 129 ms of CPU for 3.4 MB, in protobuf's objects).
 Anything else (unknown fields, fields split in several pieces or out of order, a truncated or
