@@ -16,12 +16,20 @@ and ``make rollout`` default to its held-out rows (serving/tools/evaldata.py)::
 A file's **fingerprint** is its size and the sha256 of its first and last MiB (one hash over
 both): cheap on a 45 GB Criteo file, and it tells a replaced or regenerated-differently file
 apart (another size, other first or last rows), while a copy or an identical regeneration
-(another mtime, same bytes) still matches. Standard library only.
+(another mtime, same bytes) still matches. It is also the identity of a file everywhere else
+its content matters: the preprocessing cache's key (training/data/build.py), the files the
+continuous loop consumed (training/continuous/inbox.py). What it reads: 2 MiB a file at most
+(the whole of a file up to that size), so a 1.3 TB Criteo folder of 24 days costs 48 MiB of
+reads per start; what it misses: a change of the same size confined to the middle.
+
+:func:`natural_key` is the one file order of the project (``day_2`` before ``day_10``).
+Standard library only.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +50,11 @@ def sha256_ends(path: Path, size: int) -> str:
             f.seek(max(ENDS, size - ENDS))
             h.update(f.read(ENDS))
     return h.hexdigest()
+
+
+def natural_key(name: str) -> list[Any]:
+    """Sort key of a file name with its digit runs as numbers: ``day_2`` before ``day_10``."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 def fingerprint(path: Path) -> dict[str, Any]:

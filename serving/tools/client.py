@@ -6,67 +6,42 @@ rows of the data the served model was trained on (serving/tools/evaldata.py). Wh
 which file goes to stderr first. Also a library for tests, the
 load generator and the supervisor: :func:`parse_rows`, :func:`build_request`,
 :class:`RankerClient`, :func:`gateway_status`. TLS, mutual TLS and the token: the flags below, or
-``RECSYS_CLIENT_TLS_*`` and ``RECSYS_GATEWAY_TOKEN_FILE`` (serving/tools/channel.py). Serving never
-imports training: the TSV parser here is deliberately small (label optional; 13 ints; 26 hex
-ids; empty = missing).
+``RECSYS_CLIENT_TLS_*`` and ``RECSYS_GATEWAY_TOKEN_FILE`` (serving/tools/channel.py). Rows are
+read by the trainer's rules (:mod:`recsys_stack.criteo_rows`, shared since serving never imports
+training), except that the label is optional (39 fields, the same for every row); the first
+malformed row is a one-line error naming its file and line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from recsys_stack.config import ConfigError, parse
+from recsys_stack.criteo_rows import DENSE_NAMES, SPARSE_NAMES, ParsedRows, scan_rows
 from serving.gateway.auth import AuthError, call_metadata, client_token
 from serving.gateway.config import ChannelConfig, ClientConfig
 from serving.stubs import ranker_pb2, ranker_pb2_grpc
 from serving.tools.channel import metadata, open_channel
-from serving.tools.evaldata import NoDefault, Window, default_window, window_lines
+from serving.tools.evaldata import NoDefault, Window, default_window, window_rows
 
-DENSE = [f"I{i}" for i in range(1, 14)]
-SPARSE = [f"C{i}" for i in range(1, 27)]
-
-
-@dataclass
-class Rows:
-    labels: np.ndarray | None  # int8[B] when the file has labels
-    dense: np.ndarray  # float32[B, 13]
-    sparse: np.ndarray  # int64[B, 26], -1 = missing
+DENSE, SPARSE = DENSE_NAMES, SPARSE_NAMES
+Rows = ParsedRows  # labels int8[B] | None, dense float32[B, 13], sparse int64[B, 26] (-1 = missing)
+READ_BATCH = 65536  # rows parsed at a time when reading a whole window
 
 
-def parse_rows(lines: Iterable[str], source: str = "<rows>") -> Rows:
-    """TSV lines with 40 (label first) or 39 fields -> arrays; errors name line and column."""
-    labels, dense, sparse = [], [], []
-    for n, line in enumerate(lines, 1):
-        fields = line.rstrip("\r\n").split("\t")
-        if len(fields) not in (39, 40):
-            raise ValueError(
-                f"{source}:{n}: expected 39 or 40 tab-separated fields, got {len(fields)}"
-            )
-        if len(fields) == 40:
-            labels.append(int(fields[0]))
-            fields = fields[1:]
-        try:
-            dense.append([float(int(x)) if x else 0.0 for x in fields[:13]])
-        except ValueError:
-            raise ValueError(f"{source}:{n}: a dense value is not an integer") from None
-        row = []
-        for j, x in enumerate(fields[13:]):
-            try:
-                row.append(int(x, 16) if x else -1)
-            except ValueError:
-                raise ValueError(f"{source}:{n}: column {SPARSE[j]}: {x!r} is not hex") from None
-        sparse.append(row)
-    has_labels = len(labels) == len(dense) and labels
-    return Rows(
-        labels=np.asarray(labels, dtype=np.int8) if has_labels else None,
-        dense=np.asarray(dense, dtype=np.float32).reshape(-1, 13),
-        sparse=np.asarray(sparse, dtype=np.int64).reshape(-1, 26),
+def parse_rows(lines: Iterable[str | bytes], source: str = "<rows>", first_line: int = 1) -> Rows:
+    """TSV lines (the first at line ``first_line`` of ``source``) with 40 fields (label first) or
+    39 (none), the same for every row -> arrays; :class:`~recsys_stack.criteo_rows.RowError`
+    (a ValueError: ``source:line: column C7: 'zz12' is not hex``) at the first malformed row."""
+    raw = (x.encode() if isinstance(x, str) else x for x in lines)
+    return Rows.concat(
+        list(scan_rows(raw, source, READ_BATCH, labelled=None, first_line=first_line))
     )
 
 
@@ -151,8 +126,12 @@ def rows_window(cfg: ClientConfig) -> Window:
 
 
 def read_rows(window: Window) -> Rows:
-    """The rows of ``window``, parsed."""
-    return parse_rows(list(window_lines(window)), ", ".join(map(str, window.paths)))
+    """The rows of ``window``, parsed (:func:`serving.tools.evaldata.window_rows`); a
+    ValueError naming the files when there are none."""
+    rows = Rows.concat([r for _, r in window_rows(window, READ_BATCH, labelled=None)])
+    if not len(rows):
+        raise ValueError(f"{', '.join(map(str, window.paths))}: no rows to score")
+    return rows
 
 
 def rpc_error(e: grpc.RpcError, target: str) -> str:
@@ -187,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = parse(ClientConfig, argv, "python -m serving.tools.client", __doc__.split("\n\n")[0])
         window = rows_window(cfg)
         rows = read_rows(window)
+        window = dataclasses.replace(window, count=len(rows))  # the rows really read
         print(f"scoring {window.describe()}", file=sys.stderr, flush=True)
     except (ConfigError, OSError, ValueError, NoDefault) as e:
         print(f"error: {e}", file=sys.stderr)

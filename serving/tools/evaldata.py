@@ -9,16 +9,20 @@ parity report was computed on). The served version is the running stack's (``mak
 ``<model store>/<model>-<version>.mar``). With nothing serving, with no record, with the
 data missing or changed, they refuse with one line ending ``pass DATA=... to choose``. A file
 given (``DATA=``, ``--data``) is taken as it is (``--holdout`` chooses its last fraction).
+
+Rows are read by the trainer's rules (:mod:`recsys_stack.criteo_rows`): a row is a non-empty
+line, and the first malformed row of those scored (a label other than 0/1, an empty line between
+rows, ...) is an error naming its file and its line in that file, however the rows were found.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from recsys_stack.criteo_rows import ParsedRows, RowError, scan_rows
 from recsys_stack.datafile import DataMismatch, check, heldout, shown
 from serving.gateway import plan as plan_io
 from serving.tools.state import read_state, replicas
@@ -49,26 +53,74 @@ class Window:
         return f"rows {self.first + 1}..{self.first + self.count} of {files}{self.origin}"
 
 
-def lines(paths: Sequence[Path]) -> Iterator[str]:
-    """The non-empty lines of ``paths``, one file after the other."""
-    for path in paths:
-        with path.open() as f:
-            yield from (line for line in f if line.strip())
+def _nonempty(line: bytes) -> bool:
+    """A row's line (the trainer's rule: a line of only ``\\r``/``\\n`` is empty; spaces are not)."""
+    return bool(line.rstrip(b"\r\n"))
 
 
-def window_lines(window: Window) -> Iterator[str]:
-    """The lines of ``window``."""
-    if window.start is None:
-        return itertools.islice(lines(window.paths), window.first, window.first + window.count)
-    index, offset = window.start
+def _take(f: Iterable[bytes], rows: int) -> Iterator[bytes]:
+    """The lines of ``f`` up to its ``rows``-th non-empty one: nothing past the window is read."""
+    for raw in f:
+        yield raw
+        rows -= _nonempty(raw)
+        if rows <= 0:
+            return
 
-    def tail() -> Iterator[str]:
-        for i, path in enumerate(window.paths[index:]):
-            with path.open("rb") as f:
-                f.seek(offset if i == 0 else 0)
-                yield from (b.decode() for b in f if b.strip())
 
-    return itertools.islice(tail(), window.count)
+def _skip(f: Iterable[bytes], rows: int) -> tuple[int, int]:
+    """Read past ``rows`` non-empty lines of ``f``: ``(rows passed, lines passed)``."""
+    passed = lines = 0
+    for raw in f if rows else ():
+        lines += 1
+        passed += _nonempty(raw)
+        if passed == rows:
+            break
+    return passed, lines
+
+
+def _line_at(path: Path, offset: int) -> int:
+    """The 1-based line that byte ``offset`` of ``path`` begins (counted only for an error)."""
+    count = 0
+    with path.open("rb") as f:
+        while offset > 0 and (buf := f.read(min(offset, CHUNK))):
+            count += buf.count(b"\n")
+            offset -= len(buf)
+    return count + 1
+
+
+def window_rows(
+    window: Window, batch: int, labelled: bool | None = True
+) -> Iterator[tuple[Path, ParsedRows]]:
+    """The rows of ``window`` parsed (:func:`recsys_stack.criteo_rows.scan_rows`), at most
+    ``batch`` at a time, a batch never spanning two files: ``(file, rows)``. Raises
+    :class:`RowError` (``file:line: ...``, the line in that file) at the first malformed row.
+    ``rows.lines`` are the file's line numbers too, except where ``window.start`` sought the
+    rows from the end: there they count from the sought offset (the lines before it are counted
+    only for an error). ``labelled``: as ``scan_rows`` (None: as the first row has it, then the
+    same for every file). Fewer rows than ``window.count`` when the files end first."""
+    index, offset = window.start or (0, 0)
+    skip, left = (window.first if window.start is None else 0), window.count
+    for i, path in enumerate(window.paths[index:], index):
+        if left <= 0:
+            break
+        with path.open("rb") as f:
+            seek = offset if i == index else 0
+            f.seek(seek)
+            passed, line = _skip(f, skip)
+            skip -= passed
+            if skip:
+                continue  # the window starts in a later file
+            try:
+                for rows in scan_rows(_take(f, left), str(path), batch, labelled=labelled,
+                                      first_line=line + 1):  # fmt: skip
+                    labelled = rows.labels is not None
+                    left -= len(rows)
+                    yield path, rows
+            except RowError as e:
+                if not seek:
+                    raise
+                line = _line_at(path, seek) + e.line - 1  # counted from the sought offset
+                raise RowError(e.source, line, e.reason, e.detail) from None
 
 
 def _tail(path: Path, need: int) -> tuple[int, int]:
@@ -112,7 +164,7 @@ def _count(paths: Sequence[Path]) -> int:
     total = 0
     for path in paths:
         with path.open("rb") as f:
-            total += sum(1 for line in f if line.strip())
+            total += sum(map(_nonempty, f))
     return total
 
 

@@ -1,9 +1,10 @@
 """Served-model evaluation: score a labelled Criteo TSV through the gateway, report its quality.
 
 ``python -m serving.tools.evaluate [--data labelled.tsv]`` (``make evaluate [DATA=...]
-[VERSION=...]``) reads the rows with the client's own TSV parser (by default the held-out rows
-of the data the served version was trained on, as its schema.json records it, checked against
-its fingerprint: serving/tools/evaldata.py), scores them through the running gateway in
+[VERSION=...]``) reads the rows (by default the held-out rows of the data the served version
+was trained on, as its schema.json records it, checked against its fingerprint:
+serving/tools/evaldata.py) by the trainer's rules (recsys_stack/criteo_rows.py: a label other
+than 0/1, an empty line between rows... is one error naming the file and line), scores them through the running gateway in
 batches (``recsys.v1`` Score, ``--version`` selects a model version) with a progress bar, prints
 AUC, normalized entropy, log loss and calibration (predicted CTR / actual CTR), and writes
 ``evaluation.json`` and ``calibration.png`` to ``--out`` (default ``reports/<timestamp>/``).
@@ -29,12 +30,13 @@ import grpc
 import numpy as np
 
 from recsys_stack.config import ConfigError, env_field, parse, to_dict
+from recsys_stack.criteo_rows import NUM_FIELDS, RowError, field_count
 from recsys_stack.metrics import roc_auc  # the one AUC (training's too)
 from recsys_stack.progress import progress
 from serving.gateway.auth import AuthError
 from serving.gateway.config import GATEWAY_PORT, GATEWAY_PORT_ENV, ChannelConfig
-from serving.tools.client import RankerClient, Rows, build_request, parse_rows, rpc_error
-from serving.tools.evaldata import NoDefault, Window, default_window, file_window, window_lines
+from serving.tools.client import RankerClient, Rows, build_request, rpc_error
+from serving.tools.evaldata import NoDefault, Window, default_window, file_window, window_rows
 from serving.tools.evaldata import row_window as row_window  # (where it was: tests use it)
 from serving.tools.state import WORKDIR, WORKDIR_ENV
 
@@ -132,18 +134,17 @@ def metrics(y: np.ndarray, p: np.ndarray, bins: int) -> dict[str, Any]:
 
 
 def batches(window: Window, size: int) -> Iterator[tuple[np.ndarray, Rows]]:
-    """``(labels, rows)`` of the rows of ``window``, ``size`` at a time."""
-    source = ", ".join(map(str, window.paths))
-    lines, n = window_lines(window), window.first
-    while chunk := [line for _, line in zip(range(size), lines, strict=False)]:
-        rows = parse_rows(chunk, source)
-        if rows.labels is None:
-            raise ValueError(
-                f"{source}: row {n + 1}: rows without a label: evaluation needs labelled rows "
-                "(40 fields, label first)"
-            )
-        n += len(chunk)
-        yield rows.labels, rows
+    """``(labels, rows)`` of the rows of ``window``, at most ``size`` at a time, read by the
+    trainer's rules; a ValueError ``file:line: ...`` (that file's line) at the first malformed
+    row, and at the first row without a label."""
+    try:
+        for _, rows in window_rows(window, size, labelled=True):
+            assert rows.labels is not None
+            yield rows.labels, rows
+    except RowError as e:
+        if e.detail == field_count(NUM_FIELDS - 1):  # 39 fields: the row has no label
+            raise ValueError(f"{e}: evaluation needs labelled rows (label first)") from None
+        raise
 
 
 def rows_to_score(cfg: EvaluateConfig) -> Window:

@@ -87,3 +87,40 @@ def test_the_torch_free_side_never_imports_torch(module: str) -> None:
     code = f"import {module}, sys; assert 'torch' not in sys.modules, '{module} imported torch'"
     proc = _run("-c", code)
     assert proc.returncode == 0, proc.stderr
+
+
+def _row(i: int, label: str | None = None) -> str:
+    """A well-formed row: label (``i % 2`` unless given), I1 = i, C1 = hex i, the rest empty."""
+    return f"{i % 2 if label is None else label}\t{i}" + "\t" * 13 + f"{i:x}" + "\t" * 25
+
+
+def _score(tmp_path, lines: list[str], *more: str) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
+    """``python -m serving.tools.client`` on a file of ``lines``; nothing listens on port 1."""
+    data = tmp_path / "rows.tsv"
+    data.write_text("\n".join(lines) + "\n")
+    return _run("-m", "serving.tools.client", "--data", str(data), "--port", "1",
+                "--timeout-s", "2", *more)  # fmt: skip
+
+
+def test_the_client_refuses_an_empty_label_with_file_and_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proc = _score(tmp_path, [_row(0), _row(1, label=""), _row(2)])
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip() == f"error: {tmp_path / 'rows.tsv'}:2: column label: '' is not 0 or 1"
+    )
+
+
+def test_the_client_refuses_an_empty_line_between_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proc = _score(tmp_path, [_row(0), "", _row(1)])
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip() == f"error: {tmp_path / 'rows.tsv'}:2: empty line, expected 40 fields"
+    )
+
+
+def test_the_client_says_the_rows_it_really_read(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # 9 rows (and the empty lines that end a file) asked for 1,000: rows 1..9, then no gateway
+    proc = _score(tmp_path, [_row(i) for i in range(9)] + ["", ""], "--rows", "1000")
+    first = proc.stderr.splitlines()[0]
+    assert first == f"scoring rows 1..9 of {tmp_path / 'rows.tsv'}", proc.stderr
+    assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr

@@ -10,11 +10,22 @@ from pathlib import Path
 import pytest
 
 from recsys_stack import datafile
-from serving.tools import evaldata
+from serving.tools import client, evaldata, evaluate
 
 
 def _rows(n: int, start: int = 0) -> list[str]:
-    return [f"{i % 2}\t{i}" + "\t" * 37 + "\n" for i in range(start, start + n)]
+    """Well-formed rows: label, I1 = i, the other 38 fields empty."""
+    return [f"{i % 2}\t{i}" + "\t" * 38 + "\n" for i in range(start, start + n)]
+
+
+def _read(window: evaldata.Window) -> tuple[list[int], list[tuple[int, int]]]:
+    """The I1 (= row number) of each row read from ``window``, 7 at a time, and its
+    ``(file index, line)``."""
+    values, where = [], []
+    for path, rows in evaldata.window_rows(window, 7):
+        values += rows.dense[:, 0].astype(int).tolist()
+        where += [(window.paths.index(path), n) for n in rows.lines.tolist()]
+    return values, where
 
 
 def test_a_changed_file_is_told_apart_and_a_copy_is_not(tmp_path: Path) -> None:
@@ -49,13 +60,31 @@ def test_the_held_out_rows_are_found_from_the_end_across_files(
         p = tmp_path / f"day_{i}"
         p.write_text("".join(rows[lo:hi]) + ("\n\n" if i == 1 else ""))  # trailing empties
         paths.append(p)
+    at = [(i, n) for i, size in enumerate([120, 3, 177]) for n in range(1, size + 1)]
     for count in (1, 177, 178, 180, 181, 300):
         walked = evaldata.Window(paths, 300 - count, count)
         sought = evaldata.Window(paths, 300 - count, count, start=evaldata.tail_start(paths, count))
-        assert list(evaldata.window_lines(sought)) == list(evaldata.window_lines(walked))
-        assert list(evaldata.window_lines(walked)) == rows[300 - count :]
+        assert _read(sought)[0] == _read(walked)[0] == list(range(300 - count, 300))
+        assert _read(walked)[1] == at[300 - count :]  # walked: each row at its file's line
     rec = datafile.record(paths, rows=300, skipped_rows=0, eval_fraction=0.1, eval_rows=30)
     window = evaldata.model_window({"data": rec}, "m v1", rows=5)
     assert (window.first, window.count) == (270, 5)
-    assert list(evaldata.window_lines(window)) == rows[270:275]
+    assert _read(window)[0] == list(range(270, 275))
     assert window.describe().startswith("rows 271..275 of ")
+
+
+def test_rows_read_from_the_end_are_named_by_their_own_file_and_line(tmp_path: Path) -> None:
+    # The held-out rows are found from the end of the files (no walk through the rows before
+    # them), yet a malformed one is named by its file's own line number, as the trainer does.
+    rows = _rows(300)
+    rows[290] = "2" + rows[290][1:]  # day_1's line 291 - 123 = 168
+    paths = [tmp_path / "day_0", tmp_path / "day_1"]
+    paths[0].write_text("".join(rows[:123]))
+    paths[1].write_text("".join(rows[123:]))
+    rec = datafile.record(paths, rows=300, skipped_rows=0, eval_fraction=0.1, eval_rows=30)
+    window = evaldata.model_window({"data": rec}, "m v1", rows=0)
+    assert window.start is not None  # sought, not walked
+    with pytest.raises(ValueError, match=rf"^{paths[1]}:168: column label: '2' is not 0 or 1$"):
+        list(evaluate.batches(window, 7))
+    with pytest.raises(ValueError, match=rf"^{paths[1]}:168: column label"):
+        client.read_rows(window)

@@ -179,3 +179,50 @@ def test_ne_calibration_and_bins() -> None:
     assert sum(b["rows"] for b in good["bins"]) == len(y) and len(good["bins"]) == 4
     manual = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
     assert good["log_loss"] == pytest.approx(manual)
+
+
+# --- the rows read: the trainer's rules, file:line in every error (no gateway: rows first) ---
+
+
+def _good(i: int) -> str:
+    """A well-formed labelled row: label, I1 = i, C1 = hex i, every other field empty."""
+    return f"{i % 2}\t{i}" + "\t" * 13 + f"{i:x}" + "\t" * 25
+
+
+def _evaluate_error(tmp_path: Path, lines: list[str], *more: str, capsys) -> str:  # type: ignore[no-untyped-def]
+    """The one error line of ``evaluate`` on a file of ``lines`` (nothing listens on port 1)."""
+    data = tmp_path / "rows.tsv"
+    data.write_text("\n".join(lines) + "\n")
+    rc = evaluate.main(["--data", str(data), "--port", "1", "--timeout-s", "2",
+                        "--no-progress", "--out", str(tmp_path / "r"), *more])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0, (rc, err)
+    return err
+
+
+def test_a_label_other_than_0_or_1_is_refused_with_file_and_line(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    # "2" used to be taken as two clicks, moving the AUC
+    lines = [_good(i) for i in range(6)]
+    lines[2] = "2" + lines[2][1:]
+    err = _evaluate_error(tmp_path, lines, capsys=capsys)
+    assert err == f"error: {tmp_path / 'rows.tsv'}:3: column label: '2' is not 0 or 1"
+
+
+def test_line_numbers_continue_across_batches(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    lines = [_good(i) for i in range(9)]
+    lines[6] = lines[6].replace("\t6\t", "\t6.5\t")  # line 7, in the fourth batch of 2
+    data = tmp_path / "rows.tsv"
+    data.write_text("\n".join(lines) + "\n")
+    want = f"{data}:7: column I1: '6.5' is not an integer"
+    with pytest.raises(ValueError, match=f"^{re.escape(want)}$"):
+        list(evaluate.batches(evaluate.file_window(data, 0.0, 0), 2))
+    # the held-out half (lines 6..9): lines counted from the top of the file, not the window
+    err = _evaluate_error(tmp_path, lines, "--holdout", "0.5", capsys=capsys)
+    assert err == f"error: {want}", err
+
+
+def test_an_empty_line_between_rows_is_refused_as_the_trainer_does(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    # skipped, it shifted every later row off its line; empty lines at the end are the end
+    lines = [_good(i) for i in range(3)] + [""] + [_good(i) for i in range(3, 6)] + ["", ""]
+    err = _evaluate_error(tmp_path, lines, capsys=capsys)
+    assert err == f"error: {tmp_path / 'rows.tsv'}:4: empty line, expected 40 fields"

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -224,3 +225,74 @@ def test_a_replaced_file_keeps_serving_the_mapped_version(tmp_path: Path) -> Non
     reloaded = load_mapped(path, torch.device("cpu"))
     torch.testing.assert_close(reloaded(*x), new(*x), atol=5e-3, rtol=0)
     assert not torch.equal(reloaded(*x), before)
+
+
+def _overwrite_in_place(tables: Path, keep_mtime: bool = True) -> None:
+    """Other bytes in the same file (same inode, same size), its mtime put back as ``cp -p`` or
+    ``rsync -t`` would: only the ctime, which no user call can set, tells that it changed."""
+    st = tables.stat()
+    time.sleep(0.05)  # past the filesystem's timestamp tick, so the ctime moves
+    with tables.open("r+b") as f:
+        f.seek(1000)
+        flipped = bytes(b ^ 0xFF for b in f.read(16))
+        f.seek(1000)
+        f.write(flipped)
+    if keep_mtime:
+        os.utime(tables, ns=(st.st_atime_ns, st.st_mtime_ns))
+    now = tables.stat()
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def test_an_overwrite_in_place_with_the_mtime_kept_is_verified_again(tmp_path: Path) -> None:
+    """The first load hashes the tables and leaves a marker; a later load skips the hash only
+    for the very file it hashed (inode, size, mtime, ctime), so an in-place overwrite of the
+    same size is hashed again and refused."""
+    path = save(scorer([300] * F), tmp_path, "int8")
+    load_mapped(path, torch.device("cpu"))
+    assert [p.name for p in tmp_path.glob(".verified-*")]  # the marker the next load reads
+    load_mapped(path, torch.device("cpu"))  # the same file: no hash, still loads
+    _overwrite_in_place(tmp_path / "tables_int8.bin")
+    with pytest.raises(ValueError, match=r"tables_int8\.bin: checksum differs"):
+        load_mapped(path, torch.device("cpu"))
+
+
+# A child that maps the tables, scores, then has its table file changed under the mapping
+# (argv[2]: "overwrite" in place, or "truncate"); the next batch must be one clear error, not
+# wrong scores nor a SIGBUS that kills the worker.
+CHANGED = textwrap.dedent("""
+    import os, sys, torch
+    from pathlib import Path
+    from serving.worker.mapped import load_mapped
+    from tests.serving.test_mapped import batch
+    path = Path(sys.argv[1])
+    m = load_mapped(path, torch.device("cpu"))
+    assert m(*batch()).shape == (64,)
+    tables = path.parent / "tables_int8.bin"
+    if sys.argv[2] == "truncate":
+        os.truncate(tables, 0)
+    else:
+        with tables.open("r+b") as f:
+            f.seek(0)
+            f.write(b"\\x5a" * 4096)
+    try:
+        m(*batch())
+    except RuntimeError as e:
+        print("refused:", e, flush=True)
+        sys.exit(0)
+    print("scored", flush=True)
+    sys.exit(3)
+""")
+
+
+@pytest.mark.parametrize("change", ["overwrite", "truncate"])
+def test_tables_changed_under_a_live_mapping_refuse_the_next_batch(
+    tmp_path: Path, change: str
+) -> None:
+    path = save(scorer([3000] * F), tmp_path, "int8")
+    proc = subprocess.run(
+        [sys.executable, "-c", CHANGED, str(path), change],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("refused:")]
+    assert "tables_int8.bin changed on disk under this worker" in line, line

@@ -308,3 +308,27 @@ def test_prepare_data_hashes_once_at_preprocessing(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="hashed for tables of"):
         make_batch(train, idx, np.asarray([*TABLES[:-1], 7]))
     assert isinstance(train.rows(0, 5), Arrays) and train.rows(0, 5).hashed_for == tuple(TABLES)
+
+
+def test_same_size_new_content_with_the_mtime_kept_is_preprocessed_again(tmp_path: Path) -> None:
+    """``cp -p``, ``rsync -t`` or ``tar x`` put new bytes in with the old size and mtime: the
+    cache is keyed on the content (recsys_stack.datafile's fingerprint), so the next prepare
+    builds a new cache and trains on the new rows."""
+    tsv = generate(SyntheticSpec(rows=600, seed=7), tmp_path / "clicks.tsv", progress=False)
+    tsv.with_suffix(".prob.npy").unlink()  # rewritten rows: the old probabilities are wrong
+    cfg = DataConfig(path=str(tsv), cache_dir=str(tmp_path / "cache"), preprocess_processes=1)
+    train, _, info = prepare_data(cfg, rank=0, progress=False)
+    labels = np.asarray(train.labels).copy()
+    st = tsv.stat()
+    flipped = [("1" if line[0] == "0" else "0") + line[1:] for line in tsv.read_text().split("\n")
+               if line]  # fmt: skip
+    tsv.write_text("\n".join(flipped) + "\n")  # the same size: one label character a row
+    os.utime(tsv, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (tsv.stat().st_size, tsv.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    again, _, info_again = prepare_data(cfg, rank=0, progress=False)
+    assert info_again["binary"] != info["binary"]  # a cache of its own, the old one left
+    assert np.array_equal(np.asarray(again.labels), 1 - labels)  # the new rows, not the cache
+    info_same = prepare_data(cfg, rank=0, progress=False)[2]  # reused while unchanged
+    assert info_same["binary"] == info_again["binary"]
+    os.utime(tsv)  # a new mtime, the same bytes (a plain copy): still the same cache
+    assert prepare_data(cfg, rank=0, progress=False)[2]["binary"] == info_again["binary"]

@@ -164,7 +164,7 @@ def ensure_binary(
 ) -> tuple[Path, BinaryMeta]:
     """Preprocessed copy of ``paths`` under ``cache_root``, reused while nothing it depends on
     changed: ``cache_root/criteo-<hash>`` (:func:`training.data.layout.cache_key`: the inputs'
-    resolved paths, sizes and mtimes, ``rows_per_table`` and the id hash). A reused dataset is
+    resolved paths and content fingerprints, table sizes and the id hash). A reused dataset is
     held to ``on_bad`` / ``max_bad_rows`` through its stored parse report. Concurrent callers
     wait for the first one to build it, then reuse it.
     """

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from recsys_stack import datafile
 from recsys_stack.progress import progress as progress_bar
 from training.data.criteo import OnBad, resolve_data_paths
 from training.data.layout import FORMAT_VERSION, BinaryMeta, array_dtypes, id_hash_tag
@@ -58,12 +59,15 @@ def _stat(path: Path) -> dict[str, Any]:
 
 
 def fingerprint(files: Sequence[Path]) -> list[dict[str, Any]]:
-    """Identity of input files (and their prob sidecars): resolved path, size, mtime."""
+    """Identity of input files (and their prob sidecars) by content, the cache's key: each
+    one's :func:`recsys_stack.datafile.fingerprint` (resolved path, bytes, sha256 of its first
+    and last MiB). Not the mtime: ``cp -p``, ``rsync -t`` and ``tar x`` bring new bytes with an
+    old size and mtime, and a plain copy of the same bytes needs no new cache."""
     out = []
     for f in files:
         sidecar = prob_sidecar(f)
-        prob = _stat(sidecar) if sidecar.is_file() else None
-        out.append({"path": str(f.resolve()), **_stat(f), "prob": prob})
+        prob = datafile.fingerprint(sidecar) if sidecar.is_file() else None
+        out.append({**datafile.fingerprint(f), "prob": prob})
     return out
 
 
@@ -175,6 +179,7 @@ def _preprocess(
 ) -> BinaryMeta:
     if on_bad not in ("skip", "fail"):
         raise ValueError(f"on_bad must be 'skip' or 'fail', got {on_bad!r}")
+    stats = [_stat(f) for f in files]  # before the content: a write after it moves the mtime
     inputs = fingerprint(files)
     for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
         log.info("removing stale temporary directory %s", stale)
@@ -201,7 +206,7 @@ def _preprocess(
             has_prob = merger.finish()
         finally:
             merger.close()
-        _check_unchanged(files, inputs)
+        _check_unchanged(files, inputs, stats)
         if merger.rows == 0:
             raise DataError(
                 f"no well-formed rows in {', '.join(map(str, files))}: {merger.report.summary()}"
@@ -303,15 +308,18 @@ def _results(
                     future.cancel()
 
 
-def _check_unchanged(files: list[Path], inputs: list[dict[str, Any]]) -> None:
-    """Raise :class:`DataError` when an input was changed or removed while it was parsed."""
-    for path, before in zip(files, inputs, strict=True):
+def _check_unchanged(
+    files: list[Path], inputs: list[dict[str, Any]], stats: list[dict[str, Any]]
+) -> None:
+    """Raise :class:`DataError` when an input was changed or removed while it was parsed: its
+    size or mtime moved (a write meanwhile), or its content fingerprint did."""
+    for path, before, stat in zip(files, inputs, stats, strict=True):
         try:
-            now = fingerprint([path])[0]
+            now_stat, now = _stat(path), fingerprint([path])[0]
         except FileNotFoundError:
             raise DataError(f"{path}: vanished during preprocessing; nothing was cached") from None
-        if now != before:
+        if now_stat != stat or now != before:
             raise DataError(
-                f"{path}: changed during preprocessing (size {before['size']} -> {now['size']}); "
-                "nothing was cached: run again once it is complete"
+                f"{path}: changed during preprocessing (size {stat['size']} -> "
+                f"{now_stat['size']}); nothing was cached: run again once it is complete"
             )

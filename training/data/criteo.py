@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from recsys_stack.criteo_rows import BadRow, LineScan, diagnose
+from recsys_stack.datafile import natural_key
 from recsys_stack.progress import progress as progress_bar
-from training.data.fields import NUM_FIELDS, convert_block, diagnose
+from training.data.fields import convert_block
 from training.errors import DataError
 from training.features import NUM_DENSE, NUM_SPARSE
 
@@ -106,8 +108,9 @@ class CriteoChunk:
 
 
 def _natural_key(path: Path) -> list[Any]:
-    """Sort ``day_2`` before ``day_10``."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
+    """Sort ``day_2`` before ``day_10``: the project's one file order, shared with the
+    continuous inbox (:func:`recsys_stack.datafile.natural_key`)."""
+    return natural_key(path.name)
 
 
 def resolve_data_paths(path: Path | str) -> list[Path]:
@@ -128,56 +131,6 @@ def resolve_data_paths(path: Path | str) -> list[Path]:
     if not found:
         raise DataError(f"no *.tsv or day_<n> files in data directory {path}; check the path")
     return sorted(found, key=_natural_key)
-
-
-BadRow = tuple[int, str, str]
-"""A malformed line: ``(line number, reason, 'column X: ...')``."""
-
-
-class LineScan:
-    """The lines of an open Criteo file, from where it stands to its end, in batches.
-
-    Iterating yields ``(rows, lines, bad)``: about ``chunk_rows`` lines with 40 fields, their
-    1-based line numbers (counted from where ``f`` stood) and the malformed lines seen since the
-    last batch (:data:`BadRow`); :func:`convert_rows` validates the rows. An empty line is
-    malformed once a non-empty line follows it. Once iterated: ``lines`` read, ``last``
-    (the last non-empty line, 0 if none) and ``trailing_empty`` (empty lines after ``last``: the
-    end of the file, or malformed if what ``f`` was cut from goes on with a non-empty line).
-    """
-
-    def __init__(self, f: Iterable[bytes], chunk_rows: int) -> None:
-        self.f = f
-        self.chunk_rows = max(1, chunk_rows)
-        self.lines = self.last = self.trailing_empty = 0
-
-    def __iter__(self) -> Iterator[tuple[list[bytes], list[int], list[BadRow]]]:
-        rows: list[bytes] = []  # lines with 40 fields, not yet validated
-        lines: list[int] = []  # their line numbers
-        bad: list[BadRow] = []
-        empty: list[int] = []  # empty lines, malformed unless only more empties follow
-        last = lineno = 0
-        for lineno, raw in enumerate(self.f, 1):
-            line = raw.rstrip(b"\r\n")
-            if not line:
-                empty.append(lineno)
-                continue
-            if empty:
-                bad += [(n, "field count", "empty line, expected 40 fields") for n in empty]
-                empty = []
-            last = lineno
-            tabs = line.count(b"\t")
-            if tabs != NUM_FIELDS - 1:
-                detail = f"expected {NUM_FIELDS} tab-separated fields, got {tabs + 1}"
-                bad.append((lineno, "field count", detail))
-                continue
-            rows.append(line)
-            lines.append(lineno)
-            if len(lines) + len(bad) >= self.chunk_rows:
-                yield rows, lines, bad
-                rows, lines, bad = [], [], []
-        self.lines, self.last, self.trailing_empty = lineno, last, len(empty)
-        if rows or bad:
-            yield rows, lines, bad
 
 
 def convert_rows(

@@ -1,8 +1,8 @@
 """Validate and convert Criteo TSV fields in bulk: byte lookup tables over a joined buffer.
 
 :func:`convert_block` decodes every field of a block of 40-field lines at once with numpy byte
-gathers (no per-field Python objects) and flags the rows that fail; :func:`diagnose` re-examines
-one flagged row to name its first bad column. The two must agree (a row flagged by the fast path
+gathers (no per-field Python objects) and flags the rows that fail; ``recsys_stack.criteo_rows.diagnose`` (the rules the serving
+tools read by) re-examines one flagged row to name its first bad column. The two must agree (a row flagged by the fast path
 and passed by ``diagnose`` is reported as a parser bug). Shapes: ``N`` lines in a block.
 """
 
@@ -12,11 +12,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from training.features import DENSE_NAMES, MISSING_ID, NUM_DENSE, NUM_SPARSE, SPARSE_NAMES
+from recsys_stack.criteo_rows import MAX_DEC_DIGITS, MAX_HEX_DIGITS, NUM_FIELDS
+from training.features import MISSING_ID, NUM_DENSE
 
-NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
-MAX_HEX_DIGITS = 16  # ids must fit in int64
-MAX_DEC_DIGITS = 18  # every 18-digit integer fits in int64
 _INT64_MAX = np.uint64(2**63 - 1)
 
 # Byte lookup tables: the digit's value, or a code for '-' / anything invalid (NUL included).
@@ -28,34 +26,6 @@ for _i, _c in enumerate(b"0123456789"):
 for _i, _c in enumerate(b"abcdef"):
     _HEX_LUT[_c] = _HEX_LUT[_c - 32] = 10 + _i
 _DEC_LUT[ord("-")] = _MINUS
-
-
-def _show(value: bytes) -> str:
-    text = value.decode("utf-8", "replace")
-    return repr(text if len(text) <= 40 else text[:37] + "...")
-
-
-def diagnose(parts: list[bytes]) -> tuple[str, str]:
-    """First problem of a 40-field row as ``(reason, 'column X: ...')``; mirrors the fast path."""
-    label = parts[0]
-    if label not in (b"0", b"1"):
-        return "label", f"column label: {_show(label)} is not 0 or 1"
-    for name, value in zip(DENSE_NAMES, parts[1 : 1 + NUM_DENSE], strict=True):
-        if not value:
-            continue
-        digits = value[1:] if value[:1] == b"-" else value
-        if not digits.isdigit():
-            return "dense", f"column {name}: {_show(value)} is not an integer"
-        if len(digits) > MAX_DEC_DIGITS:
-            return "dense", f"column {name}: {_show(value)} has more than {MAX_DEC_DIGITS} digits"
-    for name, value in zip(SPARSE_NAMES, parts[1 + NUM_DENSE :], strict=True):
-        if not value:
-            continue
-        if not all(c in b"0123456789abcdefABCDEF" for c in value):
-            return "sparse", f"column {name}: {_show(value)} is not hex"
-        if len(value) > MAX_HEX_DIGITS or int(value, 16) > 2**63 - 1:
-            return "sparse", f"column {name}: {_show(value)} does not fit in int64"
-    return "other", "row rejected by the fast parser but no column is wrong (parser bug)"
 
 
 def _field_bytes(

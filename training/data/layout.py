@@ -116,7 +116,7 @@ class BinaryMeta:
     """Contents of ``meta.json``."""
 
     rows: int
-    inputs: list[dict[str, Any]]  # per TSV: path, size, mtime_ns, prob (sidecar's or None)
+    inputs: list[dict[str, Any]]  # per TSV: path, bytes, sha256_ends, prob (sidecar's or None)
     parse_report: dict[str, Any]  # ParseReport.to_dict()
     has_prob: bool
     rows_per_table: list[int] | None  # tables the ids were hashed into; None = raw ids
