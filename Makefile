@@ -63,8 +63,10 @@ TRAIN_ARGS = --config training/configs/$(PRESET).toml --run-dir $(RUN) $(if $(DA
 train: setup  ## train PRESET (tiny|demo|criteo-kaggle) with NPROC processes into RUN; DATA=<tsv file|dir> for real data
 	@# One process first: bad config/data/checkpoint fails here with one line, and the data is
 	@# generated and preprocessed once with a progress bar; then the process group trains.
-	$(PY) -m training.train --prepare-only $(TRAIN_ARGS)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) \
+	$(PY) -m training.train --prepare-only --world-size $(NPROC) $(TRAIN_ARGS)
+	@# torchrun through training.launch: on Ctrl-C, rank 0's one line (what survived, how to
+	@# resume) instead of torchrun's traceback.
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m training.launch --standalone --nproc_per_node=$(NPROC) \
 		-m training.train $(TRAIN_ARGS)
 
 # Multi-node: the same command on every node, RUN and the data caches on storage they all see.
@@ -77,13 +79,13 @@ NODE_RANK ?=
 RDZV_ENDPOINT ?= 127.0.0.1:29400
 RDZV_ID ?= $(PRESET)
 RDZV_TIMEOUT ?= 600
-torchrun_node = OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --nnodes=$(NNODES) \
+torchrun_node = OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m training.launch --nnodes=$(NNODES) \
 	--nproc_per_node=$(NPROC) --rdzv_backend=c10d --rdzv_endpoint=$(RDZV_ENDPOINT) \
 	--rdzv_id=$(RDZV_ID) --rdzv_conf=join_timeout=$(RDZV_TIMEOUT),is_host=$(1) -m training.train $(TRAIN_ARGS)
 
 .PHONY: train-multinode
 train-multinode: setup  ## train PRESET on NNODES nodes x NPROC: on each, NODE_RANK=0.. RDZV_ENDPOINT=<node 0>:<port> (no NODE_RANK: all nodes here)
-	$(PY) -m training.train --prepare-only $(TRAIN_ARGS)
+	$(PY) -m training.train --prepare-only --world-size $$(($(NNODES) * $(NPROC))) $(TRAIN_ARGS)
 ifneq ($(NODE_RANK),)
 	$(call torchrun_node,$(if $(filter 0,$(NODE_RANK)),1,0))
 else
@@ -95,6 +97,8 @@ endif
 
 # The continuous loop: RUN's latest checkpoint, then every file of DATA_DIR not consumed yet
 # (name order; a file appears by rename: *.tmp and dot-files are never read); FOLLOW=1 polls.
+# PRESET's config only for a run with no checkpoint and no --resume in CONTINUOUS_ARGS: a
+# checkpoint brings its own (the model's shape must stay that of the weights it holds).
 DATA_DIR ?=
 FOLLOW ?=
 CONTINUOUS_ARGS ?=
@@ -102,7 +106,7 @@ CONTINUOUS_ARGS ?=
 continuous: setup  ## keep RUN fresh on the click logs of DATA_DIR: score each file (RUN/progressive.jsonl), train a pass, export + evaluated rollout [FOLLOW=1]
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) \
 		-m training.continuous --run-dir $(RUN) --data-dir $(DATA_DIR) $(if $(FOLLOW),--follow) \
-		$(if $(wildcard $(RUN)/checkpoints/latest),,--config training/configs/$(PRESET).toml) $(CONTINUOUS_ARGS)
+		$(if $(or $(wildcard $(RUN)/checkpoints/latest),$(findstring --resume,$(CONTINUOUS_ARGS))),,--config training/configs/$(PRESET).toml) $(CONTINUOUS_ARGS)
 
 export: setup  ## export RUN's latest checkpoint: mapped int8/fp16/fp32 tables (FORMATS='["int8","onnx"]' to choose), parity, .mar
 	$(PY) -m training.export --run-dir $(RUN) $(if $(FORMATS),--formats '$(FORMATS)') $(if $(NAME),--name $(NAME)) \

@@ -263,12 +263,19 @@ def read_meta(path: Path) -> dict[str, Any]:
 def check_compatible(path: Path, meta: dict[str, Any], model_cfg: dict[str, Any]) -> None:
     """Raise CheckpointError naming the first model field that differs from the checkpoint's."""
     saved = meta.get("config", {}).get("model", {})
+    preset = meta.get("config", {}).get("name", "")
     for key in SHAPE_FIELDS:
         if key in saved and saved[key] != model_cfg.get(key):
+            # the model came from another preset than the checkpoint's: the fix is its config
+            config = (
+                f"its preset's config (PRESET={preset}, --config training/configs/{preset}.toml)"
+                if preset and preset != "custom"
+                else "the config it was trained with"
+            )
             raise CheckpointError(
                 f"checkpoint {path} has model.{key}={_short(saved[key])} but this config has "
-                f"{_short(model_cfg.get(key))}: a resume needs the same model shape "
-                f"(use another --run-dir or --resume none)"
+                f"{_short(model_cfg.get(key))}: a resume keeps the model's shape, so give "
+                f"{config}, or train a new model (another --run-dir, or --resume none)"
             )
 
 

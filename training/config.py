@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -272,6 +273,7 @@ class RunArgs:
     resume: str  # "auto" | "none" | a checkpoint path
     progress: bool
     prepare_only: bool
+    world_size: int = 1  # the processes --prepare-only checks the batch against
 
 
 def add_run_args(p: argparse.ArgumentParser, resume: str) -> None:
@@ -305,6 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="check the config and the checkpoint to resume, generate/preprocess the data, "
         "and exit (one process; `make train` runs this before torchrun)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=int(os.environ.get("WORLD_SIZE", "1")),
+        help="processes the run will train on (all nodes): --prepare-only refuses a "
+        "train.batch_size that they cannot split or the training rows cannot fill "
+        "(default: $WORLD_SIZE, else 1; `make train` passes NPROC)",
     )
     shared.add_config_args(p, Config)
     return p
@@ -347,6 +357,7 @@ def parse_args(argv: typing.Sequence[str] | None = None) -> RunArgs:
         resume=ns.resume,
         progress=not ns.no_progress,
         prepare_only=ns.prepare_only,
+        world_size=max(1, ns.world_size),
     )
 
 

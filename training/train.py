@@ -13,9 +13,10 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from recsys_stack import logs
 from recsys_stack.net import free_ports
 from recsys_stack.progress import progress as progress_bar
-from training import checkpoint
+from training import checkpoint, interrupt
 from training.checkpointer import Checkpointer
 from training.config import Config, RunArgs, config_to_dict, parse_args
 from training.data_prep import prepare_data
@@ -75,10 +76,40 @@ def preflight_checkpoint(args: RunArgs) -> tuple[Path | None, dict[str, Any] | N
 
 
 def prepare(args: RunArgs) -> None:
-    """``--prepare-only``: everything that can fail on bad input, in one process, no group."""
+    """``--prepare-only``: everything that can fail on bad input, in one process, no group
+    (the batch is checked against the rows of the ``--world-size`` ranks torchrun will start)."""
     preflight_checkpoint(args)
     cfg = args.config
-    prepare_data(cfg.data, rank=0, progress=args.progress, rows_per_table=cfg.model.rows())
+    train_arrays = prepare_data(
+        cfg.data, rank=0, progress=args.progress, rows_per_table=cfg.model.rows()
+    )[0]
+    check_batch(cfg.train.batch_size, len(train_arrays), args.world_size)
+
+
+def check_batch(batch_size: int, train_rows: int, world: int) -> None:
+    """DataError, in one line with the setting to change, when ``batch_size`` cannot be split
+    over ``world`` ranks or is larger than the training rows (not one step could run): checked
+    before any table is built, as a preset made for millions of rows meets a small file."""
+    if batch_size % world:
+        raise DataError(
+            f"train.batch_size = {batch_size} is not divisible by {world} processes; "
+            f"set ARGS='--train.batch-size {max(world, batch_size - batch_size % world)}'"
+        )
+    if train_rows < batch_size:
+        raise DataError(
+            f"train.batch_size = {batch_size:,} ({batch_size // world:,} rows per rank and step) "
+            f"is larger than the {train_rows:,} training rows ({train_rows // world:,} per rank "
+            f"on {world} processes): not one step can run; set "
+            f"ARGS='--train.batch-size {suggest_batch(train_rows, world)}' (or train on more rows)"
+        )
+
+
+def suggest_batch(train_rows: int, world: int) -> int:
+    """A batch that gives at least 8 steps per epoch: the largest power of two <= rows / 8,
+    a multiple of ``world`` (at least ``world``)."""
+    cap = max(train_rows // 8, 1)
+    batch = 1 << int(math.log2(cap))
+    return max(world, batch - batch % world)
 
 
 def train_stream(
@@ -160,16 +191,20 @@ def make_loop(
 
 
 def run_schedule(
-    loop: TrainLoop, trainer: Trainer, evaluator: Evaluator, checkpointer: Checkpointer
+    loop: TrainLoop,
+    trainer: Trainer,
+    evaluator: Evaluator,
+    checkpointer: Checkpointer,
+    judge: Callable[[dict[str, Any]], list[str]] = lambda record: [],
 ) -> None:
     """Step to ``loop.total``, evaluating and checkpointing when due; then a final evaluation
-    (on the whole eval split) and checkpoint unless the last step already had them."""
+    (on the whole eval split) and checkpoint unless the last step already had them. The final
+    record gets ``judge``'s warnings (``warnings``) before it is saved with the checkpoint."""
     progress = loop.progress
     while progress.step < loop.total and loop.step():
         at_end = progress.step >= loop.total
         if evaluator.should_evaluate(progress.step, at_end):
-            model = unwrapped_model(loop.pipeline, trainer)
-            evaluator.evaluate(model, progress, loop.window, final=at_end)
+            evaluate(loop, trainer, evaluator, at_end, judge)
             loop.window.reset()
         if checkpointer.should_save(progress.step, at_end):
             loop.window.flush()  # a NaN loss since the last log stops training before the save
@@ -177,10 +212,59 @@ def run_schedule(
                 checkpointer.save(evaluator.last)
     loop.bar.close()
     if not evaluator.evaluated(progress.step):  # the data ran out before `total`
-        model = unwrapped_model(loop.pipeline, trainer)
-        evaluator.evaluate(model, progress, loop.window, final=True)
+        evaluate(loop, trainer, evaluator, True, judge)
     if not checkpointer.saved(progress.step):
         checkpointer.save(evaluator.last)
+
+
+def evaluate(
+    loop: TrainLoop,
+    trainer: Trainer,
+    evaluator: Evaluator,
+    final: bool,
+    judge: Callable[[dict[str, Any]], list[str]],
+) -> None:
+    """One evaluation; the final one's record (in ``metrics.jsonl`` too) carries ``judge``'s
+    warnings."""
+    model = unwrapped_model(loop.pipeline, trainer)
+    record = evaluator.evaluate(model, loop.progress, loop.window, final=final)
+    warnings = judge(record) if final else []
+    if warnings:
+        record["warnings"] = warnings
+        log = evaluator.log  # the record was written as evaluated: replace it, with them
+        log.truncate_after(record["step"] - 1)
+        MetricsLog(log.path, enabled=log.enabled).write(record)
+
+
+def run_warnings(
+    record: dict[str, Any], progress: checkpoint.Progress, stream: TrainStream, cfg: Config
+) -> list[str]:
+    """What makes a finished run not worth serving, each said with what to do: a final NE
+    >= 1 (worse than predicting the eval rows' base rate), and more than 10% of the training
+    rows left out of each epoch (the last partial batch is dropped) when the run went through
+    its epochs (a ``train.max_steps`` stop is the user's choice)."""
+    out = []
+    ne, rows, batch = record.get("ne"), len(stream.arrays), cfg.train.batch_size
+    if ne is not None and math.isfinite(ne) and ne >= 1.0:
+        out.append(
+            f"final NE {ne:.3f} >= 1 on {record.get('eval_rows', 0):,} held-out rows "
+            f"(calibration {record.get('calibration', math.nan):.2f}): the model predicts worse "
+            "than the base click rate, it is not worth serving; train on more rows, more "
+            "epochs (ARGS='--train.epochs N') or a smaller train.batch_size"
+        )
+    unused = rows - stream.steps_per_epoch * batch
+    stopped = progress.step < cfg.train.epochs * stream.steps_per_epoch
+    if unused > 0.1 * rows and not stopped:
+        epochs = cfg.train.epochs
+        left = "were never trained" if epochs == 1 else f"were left out of each of {epochs} epochs"
+        out.append(
+            f"{unused:,} of {rows:,} training rows ({unused / rows:.0%}) {left}: "
+            f"{stream.steps_per_epoch} full batches of train.batch_size = {batch:,} fit and "
+            "the rest is dropped; set "
+            f"ARGS='--train.batch-size {suggest_batch(rows, batch // stream.local_batch)}' "
+            "to train on them"
+        )
+    return out
 
 
 def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[str, Any]:
@@ -189,14 +273,13 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
     Data -> trainer -> restore (``--resume``) -> :func:`run_schedule` -> learning curves.
     """
     cfg, run_dir = args.config, args.run_dir
-    if cfg.train.batch_size % world:
-        raise DataError(
-            f"train.batch_size = {cfg.train.batch_size} is not divisible by {world} processes"
-        )
+    if cfg.train.batch_size % world:  # before rank 0 prepares the data
+        check_batch(cfg.train.batch_size, cfg.train.batch_size, world)
     resume_from, meta = preflight_checkpoint(args)
     train_arrays, eval_arrays, data_info = prepare_data(
         cfg.data, rank, progress=args.progress, rows_per_table=cfg.model.rows()
     )
+    check_batch(cfg.train.batch_size, len(train_arrays), world)  # before the tables are built
     trainer = build_trainer(cfg, device)
     if rank == 0:
         logger.info(
@@ -220,12 +303,16 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
     evaluator = Evaluator(cfg, eval_arrays, metrics_log, rank, world)
     show_bar = rank == 0 and args.progress
     loop = make_loop(cfg, trainer, device, stream, progress, total, loss_log, show_bar)
-    run_schedule(loop, trainer, evaluator, checkpointer)
+    run_schedule(
+        loop, trainer, evaluator, checkpointer, lambda r: run_warnings(r, progress, stream, cfg)
+    )
     if rank == 0:
         from training.plot import plot_run
 
         logger.info("training rows read by each rank: %s", format_reads(checkpointer.reads))
         logger.info("learning curves: %s", plot_run(run_dir))
+        for warning in evaluator.last.get("warnings", []):  # last: what a user reads at the end
+            logger.warning("%s", warning)
     return evaluator.last
 
 
@@ -246,8 +333,25 @@ def configure_logging(rank: int, verbose: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     configure_logging(rank, verbose=logs.verbose_requested())
+    interrupt.install()
+    args: RunArgs | None = None
     try:
         args = parse_args(argv)
+        return run(args, rank)
+    except KeyboardInterrupt:  # Ctrl-C: one line from rank 0 (training.interrupt)
+        if rank == 0 and args is not None:
+            lead = "\n" if args.progress and sys.stderr.isatty() else ""  # after the bar's line
+            print(f"{lead}error: {interrupt.message(args.config, args.run_dir)}", file=sys.stderr)
+        return interrupt.EXIT_INTERRUPTED
+    except RecsysError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args: RunArgs, rank: int) -> int:
+    """``--prepare-only`` or the training; a lost peer said in one line (training.peers)."""
+    try:
         if args.prepare_only:
             prepare(args)
             return 0
@@ -256,11 +360,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(json.dumps({"final": final, "run_dir": str(args.run_dir)}))
         return 0
-    except RecsysError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
     except (Exception, CheckpointException) as e:
+        if interrupt.received():  # a peer exiting on the same Ctrl-C closed its connections
+            raise KeyboardInterrupt from None
+        if isinstance(e, RecsysError):
+            raise
         reason = lost_peer(e)
         if reason is None:
             raise

@@ -46,6 +46,33 @@ def check_target(store: Path, name: str, version: str, overwrite: bool) -> Path:
     return target
 
 
+def check_owner(store: Path, name: str, run_dir: Path) -> None:
+    """Refuse a default model name that ``store`` holds from another run (schema.json's
+    ``source.run_dir``, else the run of its ``source.checkpoint``), or from a run it cannot
+    tell: two runs' models under one name would be versions of one model, each rollable over
+    the other. A name the user gives (``--name``) is theirs to reuse."""
+    here = run_dir.resolve()
+    for mar in sorted(store.glob(f"{name}-*.mar")):
+        try:
+            with zipfile.ZipFile(mar) as z:
+                if json.loads(z.read("MAR-INF/MANIFEST.json"))["model"]["modelName"] != name:
+                    continue  # another model whose name starts with this one
+                source = json.loads(z.read("schema.json")).get("source", {})
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
+            raise ConfigError(
+                f"{mar}: cannot tell which run it is from ({e}); pass --name (make export "
+                f"NAME=dlrm-{run_dir.name}) to name this run's model yourself"
+            ) from None
+        owner = source.get("run_dir") or (
+            str(Path(source["checkpoint"]).parent.parent) if source.get("checkpoint") else ""
+        )
+        if Path(owner) != here:
+            raise ConfigError(
+                f"{mar} is {name} from another run ({owner or 'not recorded'}), not {here}: "
+                f"pass --name (make export NAME=dlrm-{run_dir.name}) so the two models stay apart"
+            )
+
+
 STORED = (".bin", ".pt", ".pt2", ".onnx", ".data")  # already dense: deflate saves little
 ARCHIVER_VERSION = "0.12.0"  # the torch-model-archiver whose manifest this one matches
 

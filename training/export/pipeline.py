@@ -34,7 +34,7 @@ from recsys_stack import datafile
 from serving.worker.features import DESCRIPTION as TRANSFORMS
 from training.errors import ConfigError, DataError
 from training.export import variants
-from training.export.archive import archive, check_target
+from training.export.archive import archive, check_owner, check_target
 from training.export.parity import latency_report, parity_report, predict
 from training.export.scorer import CPU_ROW_ALIGNMENT, load_config, raw_inputs, resolve_checkpoint
 from training.features import DENSE_NAMES, SPARSE_NAMES, table_name
@@ -80,7 +80,8 @@ class ExportConfig:
     (a ``torch.export`` program), ``onnx``, ``aoti`` (AOTInductor for this machine: a C++
     compile, ~1 min at the criteo-kaggle shape)."""
     name: str = ""
-    """Model name (default: dlrm-<preset>)."""
+    """Model name (default: dlrm-<preset>, refused when model_store holds it from another
+    run: a name given here is the user's to share)."""
     version: str = ""
     """Model version (default: the checkpoint's step)."""
     model_store: Path = Path("model_store")
@@ -194,6 +195,7 @@ def build_schema(
     cfg: Any,
     meta: dict[str, Any],
     ckpt: Path,
+    run_dir: Path,
     files: dict[str, Path],
     parity: dict[str, Any],
     served: str,
@@ -232,6 +234,7 @@ def build_schema(
             "checkpoint": str(ckpt.resolve()),
             "step": meta.get("progress", {}).get("step"),
             "preset": cfg.name,
+            "run_dir": str(run_dir.resolve()),
             "world_size": meta.get("world_size"),
         },
         "data": data_record(cfg, meta),
@@ -299,11 +302,14 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
     run_dir = ecfg.run_dir or ckpt.parent.parent
     cfg, meta = load_config(ckpt)
     step = meta.get("progress", {}).get("step", 0)
+    named = bool(ecfg.name)
     ecfg = dataclasses.replace(
         ecfg, name=ecfg.name or f"dlrm-{cfg.name}", version=ecfg.version or str(step)
     )
     if ecfg.archive:
         check_target(ecfg.model_store, ecfg.name, ecfg.version, ecfg.overwrite)
+        if not named:  # the preset's name: not over another run's model (schema: source.run_dir)
+            check_owner(ecfg.model_store, ecfg.name, run_dir)
     arrays = parity_arrays(ecfg, cfg)
     final = run_dir / "export"
     _recover_export(final)
@@ -354,7 +360,7 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
             **{f"probs_{v}": predict(m, sample) for v, m in compared.items()},
         }  # fmt: skip
         np.savez(tmp / "sample.npz", **arrays_out)  # type: ignore[arg-type]
-        schema = build_schema(ecfg, cfg, meta, ckpt, files, parity, served, fastest, cuda)
+        schema = build_schema(ecfg, cfg, meta, ckpt, run_dir, files, parity, served, fastest, cuda)
         (tmp / "schema.json").write_text(json.dumps(schema, indent=2))
         timings["parity_s"] = time.perf_counter() - clock - timings["variants_s"]
         built = None

@@ -1,0 +1,91 @@
+"""A preset on a small real file: the preflight refuses a batch larger than the data (one line,
+before torchrun builds tables), and a run that is not worth serving says so at its end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, _env, make_command, run_train
+from training.data.synthetic import SyntheticSpec, generate, prob_sidecar
+from training.features import NUM_SPARSE
+from training.metrics import read_metrics
+from training.train import suggest_batch
+
+pytestmark = pytest.mark.slow
+
+
+def small_tsv(path: Path, rows: int) -> Path:
+    """A user's own small Criteo TSV (the synthetic generator's rows, without its sidecar)."""
+    generate(SyntheticSpec(rows=rows, seed=3, vocab_sizes=[50] * NUM_SPARSE), path, progress=False)
+    prob_sidecar(path).unlink()
+    return path
+
+
+def test_suggested_batch_fills_steps_and_splits_over_ranks() -> None:
+    assert suggest_batch(7200, 2) == 512  # 14 steps
+    assert suggest_batch(900, 2) == 64
+    assert suggest_batch(10, 4) == 4  # never below one row per rank
+
+
+def test_make_train_refuses_a_batch_larger_than_the_data_before_torchrun(
+    tmp_path: Path, data_dirs: list[str]
+) -> None:
+    tsv = small_tsv(tmp_path / "mine.tsv", 1000)  # 857 training rows (the last 14.28% held out)
+    cmd = make_command(
+        "train",
+        {"PRESET": "criteo-kaggle", "RUN": str(tmp_path / "run"), "DATA": str(tsv), "NPROC": "2"},
+        ["--no-progress", *data_dirs],
+    )
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "Traceback" not in out and "training.launch" not in out, out  # torchrun never ran
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: train.batch_size = 8,192 (4,096 rows per rank and step) is larger than the 857 "
+        "training rows (428 per rank on 2 processes): not one step can run; set "
+        "ARGS='--train.batch-size 64' (or train on more rows)"
+    ], out
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_not_worth_serving_warns_at_its_end_and_records_why(
+    tmp_path: Path, data_dirs: list[str]
+) -> None:
+    # 1000 rows: 900 to train, 3 batches of 256 (132 rows, 15%, left out); learning rates 0: the
+    # untrained model's 0.5 is worse than the base rate (NE > 1)
+    run = tmp_path / "run"
+    args = ["--config", "training/configs/tiny.toml", "--run-dir", str(run), "--no-progress",
+            *data_dirs, "data.synthetic_rows=1000", "optim.dense_lr=0.0",
+            "optim.embedding_lr=0.0"]  # fmt: skip
+    proc = run_train(args, nproc=1)
+    final = json.loads(proc.stdout.strip().splitlines()[-1])["final"]
+    warnings = final["warnings"]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith(f"final NE {final['ne']:.3f} >= 1 on 100 held-out rows")
+    assert "not worth serving" in warnings[0]
+    assert warnings[1].startswith("132 of 900 training rows (15%) were never trained")
+    assert "ARGS='--train.batch-size 64'" in warnings[1]
+    # said at the end, after the last record of the run
+    tail = proc.stderr.strip().splitlines()[-2:]
+    assert [line.split(" WARNING training: ", 1)[1] for line in tail] == warnings, tail
+    # recorded with the final evaluation and the checkpoint (schema.json's training_metrics)
+    assert read_metrics(run / "metrics.jsonl")[-1]["warnings"] == warnings
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    meta = json.loads((run / "checkpoints" / latest / "meta.json").read_text())
+    assert meta["metrics"]["warnings"] == warnings
+
+
+def test_a_run_that_uses_its_rows_does_not_warn(tmp_path: Path, data_dirs: list[str]) -> None:
+    # 2,800 rows: 2,520 to train, 9 batches of 256 (216 rows, 9%, left out): no warning
+    run = tmp_path / "run"
+    args = ["--config", "training/configs/tiny.toml", "--run-dir", str(run), "--no-progress",
+            *data_dirs, "data.synthetic_rows=2800"]  # fmt: skip
+    proc = run_train(args, nproc=1)
+    final = json.loads(proc.stdout.strip().splitlines()[-1])["final"]
+    assert final["ne"] < 1 and "warnings" not in final, final
+    assert " WARNING training: " not in proc.stderr, proc.stderr[-2000:]
