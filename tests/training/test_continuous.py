@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -227,3 +228,74 @@ def test_kill_mid_file_resumes_without_training_a_row_twice(
     # the model after the interrupted day is the uninterrupted run's: the same next-day AUC
     fresh = read_metrics(cont[0] / "progressive.jsonl")[1]
     assert prog[1]["auc"] == pytest.approx(fresh["auc"], abs=1e-6)
+    # new rows renamed in under a consumed name: a new file (said loudly), never skipped
+    for ext in (".prob.npy", ".tsv"):
+        shutil.copy(days / f"day_2{ext}", inbox / f".day_1{ext}.tmp")
+        os.replace(inbox / f".day_1{ext}.tmp", inbox / f"day_1{ext}")
+    again = run_continuous(args)
+    assert "day_1.tsv: the name of a consumed file, with other content" in again.stderr
+    ledger = meta_of(run)["continuous"]["files"]
+    assert [(f["file"], f["index"], f["done"]) for f in ledger] == [
+        ("day_0.tsv", 0, True), ("day_1.tsv", 1, True), ("day_1.tsv", 2, True)
+    ]  # fmt: skip
+    assert ledger[2]["content"] != ledger[1]["content"] and ledger[2]["content"]["bytes"] > 0
+    assert meta_of(run)["progress"]["step"] == 3 * STEPS_PER_DAY
+    prog = read_metrics(run / "progressive.jsonl")
+    assert [(r["file"], r["file_index"]) for r in prog] == [
+        ("day_0.tsv", 0), ("day_1.tsv", 1), ("day_1.tsv", 2)
+    ]  # fmt: skip
+
+
+def test_a_second_run_of_the_config_publishes_its_own_model(days: Path, tmp_path: Path) -> None:
+    """One config, one model store: a run killed before it recorded its export reuses its own
+    archive, but a run directory deleted and started again (another run) must not publish the
+    first run's ``dlrm-tiny-<step>.mar`` as its own: it exports its model under another name."""
+    inbox = copy_days(days, tmp_path / "inbox", ["day_0"])
+    run, store = tmp_path / "run", tmp_path / "store"
+    args = ["--run-dir", str(run), "--data-dir", str(inbox), "continuous.export_every=1",
+            "continuous.rollout=false", f'continuous.model_store="{store}"',
+            f'data.cache_dir="{tmp_path / "cache"}"', "continuous.keep_cache=true",
+            'continuous.export_args=["--parity-rows", "2000"]']  # fmt: skip
+
+    def exports() -> list[dict]:
+        return [e for e in read_metrics(run / "continuous.jsonl") if e["event"] == "export"]
+
+    run_continuous(args, nproc=1)
+    (first,) = exports()
+    mar = store / f"dlrm-tiny-{STEPS_PER_DAY}.mar"
+    assert first["ok"] and first["version"] == str(STEPS_PER_DAY) and not first.get("reused")
+    assert first["mar"] == str(mar)
+    before = mar.read_bytes()
+    # killed after the export, before its record: the restart publishes what the checkpoint
+    # holds, and finds its own archive
+    events = run / "continuous.jsonl"
+    events.write_text("".join(line for line in events.read_text().splitlines(keepends=True)
+                              if '"export"' not in line))  # fmt: skip
+    run_continuous(args, nproc=1)
+    (restarted,) = exports()
+    assert restarted["ok"] and restarted["reused"] and restarted["mar"] == str(mar)
+    # the run directory deleted, the same config run again: the same step, another run
+    shutil.rmtree(run)
+    second = run_continuous(args, nproc=1)
+    (other,) = exports()
+    assert not other.get("reused") and other["mar"] != str(mar), other
+    first_id, new_id = first["run_id"], (run / "run_id").read_text().strip()
+    assert other["ok"] and other["version"] == f"{STEPS_PER_DAY}-{new_id[:8]}", other
+    assert new_id != first_id
+    assert mar.read_bytes() == before  # the first run's archive is left as it was
+    # what each archive says it is: the run and the checkpoint it was exported from
+    stamp = json.loads(zipfile.ZipFile(mar).read("identity.json"))
+    assert stamp["run_id"] == first_id == first["run_id"] and stamp["step"] == STEPS_PER_DAY
+    assert stamp["digest"] == first["checkpoint_digest"] == restarted["checkpoint_digest"]
+    assert other["collisions"] == [f"{mar} is another model (run {first_id[:8]}, "
+                                   f"checkpoint {stamp['digest'][:8]})"]  # fmt: skip
+    assert "exporting this run's step" in second.stderr
+    theirs = json.loads(zipfile.ZipFile(other["mar"]).read("identity.json"))
+    assert theirs["run_id"] == new_id and theirs["step"] == STEPS_PER_DAY
+    # the config run in another directory into the same store: refused the preset's name
+    # (the export's rule, one name for one run's model), in one line; nothing exported
+    elsewhere = tmp_path / "run2"
+    run_continuous(["--run-dir", str(elsewhere), *args[2:]], nproc=1)
+    (refused,) = [e for e in read_metrics(elsewhere / "continuous.jsonl") if e["event"] == "export"]
+    assert not refused["ok"] and "from another run" in refused["error"], refused
+    assert sorted(store.glob("*.mar")) == sorted([mar, Path(other["mar"])])

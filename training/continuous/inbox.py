@@ -5,7 +5,15 @@ name and rename it into the folder (``os.replace``: atomic on one filesystem). N
 names starting with ``.`` (hidden, and ``.x.tmp-123`` partial files), names ending in ``.tmp``,
 the true-probability sidecars of synthetic days (``*.prob.npy``) and sub-folders (``rejected/``).
 Everything else is a Criteo TSV file, taken in natural name order (``day_2`` before
-``day_10``), one at a time.
+``day_10``, :func:`recsys_stack.datafile.natural_key`), one at a time.
+
+**Identity by content.** A file is consumed as a name *and* a content: its
+:func:`recsys_stack.datafile.fingerprint` (bytes, sha256 of the first and last MiB), the one
+its cache was built from. A file renamed in under a consumed name with other bytes is a new
+file (trained, with a warning naming both); the same bytes again (a copy, another mtime) are
+not. A ledger written before content was recorded matches by name, as it did. Fingerprints of
+files present under a consumed name are read once per file version (memoized on inode, size,
+mtime and ctime), not at every poll.
 
 **Rejection.** A file that fails the malformed-row policy (``data.on_bad_row``,
 ``data.max_bad_rows``) or holds too few rows for one batch is moved to ``rejected/`` with a
@@ -13,27 +21,46 @@ Everything else is a Criteo TSV file, taken in natural name order (``day_2`` bef
 
 **Ledger** (in every checkpoint's ``meta.json`` under ``"continuous"``): the files consumed,
 each with its rows, the rows trained and the ``[from, to)`` row segments of its shuffled order
-trained between checkpoints, and the file in progress with its row position. It moves with
+trained between checkpoints, its content, and the file in progress with its row position. A
+file in progress that is replaced meanwhile is closed with the rows it had (the rest of the
+old bytes are gone) and its new content starts as a new file. It moves with
 the model it describes: a run killed mid-file resumes at the position of its checkpoint, so
 no row is trained twice, and the segments show it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recsys_stack.datafile import fingerprint, natural_key
+
 REJECTED = "rejected"
 REASON_SUFFIX = ".reason.txt"
+logger = logging.getLogger("training.continuous")
+Content = dict[str, Any]  # {"bytes", "sha256_ends"}: what a file holds (module doc)
+# path -> (inode, size, mtime, ctime) when read, its content: a file is hashed once per version
+_CONTENTS: dict[str, tuple[tuple[int, int, int, int], Content]] = {}
+_WARNED: set[tuple[str, str]] = set()  # (name, sha256_ends) already said loudly
 
 
-def _natural(name: str) -> list[Any]:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+def content_of(path: Path) -> Content:
+    """``path``'s content id: the ``bytes`` and ``sha256_ends`` of its fingerprint, memoized
+    on its inode, size, mtime and ctime (a write moves the ctime, which no user call sets)."""
+    st = path.stat()
+    key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    known = _CONTENTS.get(str(path))
+    if known is not None and known[0] == key:
+        return known[1]
+    fp = fingerprint(path)
+    content = {"bytes": fp["bytes"], "sha256_ends": fp["sha256_ends"]}
+    _CONTENTS[str(path)] = (key, content)
+    return content
 
 
 def readable(path: Path) -> bool:
@@ -44,12 +71,34 @@ def readable(path: Path) -> bool:
     return path.is_file()
 
 
-def pending(data_dir: Path, consumed: set[str]) -> list[Path]:
-    """The readable files of ``data_dir`` not in ``consumed``, in natural name order."""
+def pending(data_dir: Path, consumed: dict[str, list[Content | None]]) -> list[Path]:
+    """The readable files of ``data_dir`` not consumed (``consumed``: name -> the contents
+    consumed under it, :attr:`Ledger.consumed`), in natural name order. A consumed name holding
+    other content is pending, and said once with a warning."""
     if not data_dir.is_dir():
         return []
-    files = [p for p in data_dir.iterdir() if p.name not in consumed and readable(p)]
-    return sorted(files, key=lambda p: _natural(p.name))
+    files = []
+    for p in data_dir.iterdir():
+        seen = consumed.get(p.name)
+        if not readable(p) or (seen is not None and None in seen):  # None: a ledger by name
+            continue
+        if seen is not None:
+            try:
+                now = content_of(p)
+            except OSError:  # gone meanwhile: the next poll sees what is there
+                continue
+            if now in seen:
+                continue
+            if (p.name, now["sha256_ends"]) not in _WARNED:
+                _WARNED.add((p.name, now["sha256_ends"]))
+                logger.warning(
+                    "%s: the name of a consumed file, with other content (%d bytes, sha256 of "
+                    "its ends %s; consumed: %s): taken as a new file", p.name, now["bytes"],
+                    now["sha256_ends"][:12],
+                    ", ".join(f"{c['bytes']} bytes {c['sha256_ends'][:12]}" for c in seen if c),
+                )  # fmt: skip
+        files.append(p)
+    return sorted(files, key=lambda p: natural_key(p.name))
 
 
 def reject(path: Path, reason: str) -> Path:
@@ -83,6 +132,7 @@ class FileRecord:
     segments: list[list[int]] = field(default_factory=list)  # [from, to) per checkpoint
     steps: list[int] = field(default_factory=list)  # [step before its first, its last step]
     done: bool = False
+    content: Content | None = None  # what it held (module doc); None in an older ledger
 
     def advance(self, start: int, to: int, step: int) -> None:
         """Record rows ``[start, to)`` as trained, the last of them at ``step`` (at a
@@ -106,16 +156,26 @@ class Ledger:
     exported_step: int = -1
 
     @property
-    def consumed(self) -> set[str]:
-        return {f.file for f in self.files if f.done}
+    def consumed(self) -> dict[str, list[Content | None]]:
+        """Name -> the contents consumed under it (module doc: identity by content)."""
+        out: dict[str, list[Content | None]] = {}
+        for f in self.files:
+            if f.done:
+                out.setdefault(f.file, []).append(f.content)
+        return out
+
+    @property
+    def done(self) -> list[FileRecord]:
+        """The files consumed, in order."""
+        return [f for f in self.files if f.done]
 
     @property
     def current(self) -> FileRecord | None:
         """The file in progress (not done), if any."""
         return next((f for f in self.files if not f.done), None)
 
-    def start(self, name: str, rows: int) -> FileRecord:
-        record = FileRecord(file=name, rows=rows, index=len(self.files))
+    def start(self, name: str, rows: int, content: Content | None = None) -> FileRecord:
+        record = FileRecord(file=name, rows=rows, index=len(self.files), content=content)
         self.files.append(record)
         return record
 

@@ -37,7 +37,7 @@ from training.config import config_to_dict
 from training.continuous import inbox
 from training.continuous.config import ContinuousArgs, ContinuousConfig
 from training.continuous.inbox import FileRecord, Ledger
-from training.continuous.publish import on_rank0, publish
+from training.continuous.publish import on_rank0, publish, run_id
 from training.errors import DataError, RecsysError
 from training.evaluator import evaluate
 from training.loader import Arrays, TrainStream
@@ -108,6 +108,8 @@ class Continuous:
             self.ledger = Ledger.from_json(meta.get("continuous"))
         elif rank == 0:
             logger.info("%s: no checkpoint, a fresh model from the config", self.run_dir)
+        if rank == 0:
+            run_id(self.run_dir)  # made once per run directory: who its archives are from
         step = self.progress.step
         self.tb: Scalars = scalars_for_run(self.run_dir, rank, step)
         on0 = rank == 0
@@ -166,9 +168,25 @@ class Continuous:
                 f"{len(arrays)} usable rows: too few for one batch of {need} rows, or a single label",
                 {},
             )
+        built_from = data.meta.inputs[0]  # the content the cache holds: what is trained
         info = {"source": str(path), "binary": text, "rows": len(arrays),
-                "train_rows": len(arrays), "parse_report": data.meta.parse_report}  # fmt: skip
+                "train_rows": len(arrays), "parse_report": data.meta.parse_report,
+                "content": {k: built_from.get(k) for k in ("bytes", "sha256_ends")}}  # fmt: skip
         return arrays, "", info
+
+    def in_progress(self, name: str, content: dict[str, Any]) -> FileRecord | None:
+        """The ledger's file in progress when it still holds the bytes it was started on;
+        replaced meanwhile, it is closed with the rows it had (the rest are gone) and None
+        returned: the new content starts as a new file (inbox module doc)."""
+        current = self.ledger.current
+        if current is None or current.content in (None, content):
+            return current
+        if self.rank == 0:
+            logger.warning("%s: replaced while in progress (%d of %d rows trained; %s, now %s): "
+                           "the rest of the old file is not trained, its new content is a new "
+                           "file", name, current.row, current.rows, current.content, content)  # fmt: skip
+        current.done = True
+        return None
 
     def reject(self, name: str, reason: str) -> None:
         if self.rank == 0:
@@ -191,8 +209,9 @@ class Continuous:
 
     def validate(self, record: FileRecord, arrays: Arrays) -> None:
         """Score the file before training on it, once (a resumed file keeps its record)."""
-        done = self.rank == 0 and any(
-            r.get("file") == record.file for r in self._records(self.run_dir / PROGRESSIVE)
+        done = self.rank == 0 and any(  # this file: its name may come back with other bytes
+            r.get("file") == record.file and r.get("file_index", record.index) == record.index
+            for r in self._records(self.run_dir / PROGRESSIVE)
         )
         if from_rank0(done):
             return
@@ -278,7 +297,7 @@ class Continuous:
         """Export the current step; roll it out evaluated on ``newest``, the file trained last
         (the served default is at most ``export_every`` files older than it)."""
         step = self.progress.step
-        index = len(self.ledger.consumed) - 1  # the file number it follows
+        index = len(self.ledger.done) - 1  # the file number it follows
 
         def work() -> list[dict[str, Any]]:
             try:
@@ -286,7 +305,7 @@ class Continuous:
             except Exception as e:  # recorded; the loop goes on
                 return [{"event": "export", "ok": False, "step": step, "error": repr(e)}]
 
-        done = [f.file for f in self.ledger.files if f.done]
+        done = [f.file for f in self.ledger.done]
         for r in on_rank0(work, self.rank):
             r["after"] = done[-1] if done else None  # the file it was trained up to
             self.events.write(r)
@@ -315,7 +334,7 @@ class Continuous:
             if from_rank0(published):
                 self.ledger.files_since_export, self.ledger.exported_step = 0, step
             else:  # killed before it: publish what the checkpoint holds
-                last = [f.file for f in self.ledger.files if f.done][-1]
+                last = self.ledger.done[-1].file
                 self.publish(self.data_dir / last)
         while not (c.max_files and done >= c.max_files):
             name = self.next_file()
@@ -329,7 +348,9 @@ class Continuous:
             if arrays is None:
                 self.reject(name, reason)
                 continue
-            record = self.ledger.current or self.ledger.start(name, len(arrays))
+            record = self.in_progress(name, info["content"]) or self.ledger.start(
+                name, len(arrays), info["content"]
+            )
             self.validate(record, arrays)
             t0 = time.perf_counter()
             self.file_stats = {}
@@ -352,5 +373,5 @@ class Continuous:
                 self.publish(path)
         self.tb.close()
         self.tb_files.close()
-        return {"files": done, "step": self.progress.step, "consumed": len(self.ledger.consumed),
+        return {"files": done, "step": self.progress.step, "consumed": len(self.ledger.done),
                 "run_dir": str(self.run_dir)}  # fmt: skip

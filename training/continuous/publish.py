@@ -18,26 +18,50 @@ those rows once, so the gate stops a broken or regressed candidate; what freshne
 measured before training, by the progressive validation. (Not the newest file present: in a
 backlog, the served model can be days older than it, and a stale model's NE above 1 there
 would refuse every candidate as "data that does not fit the model".)
+
+**Identity, not the name.** ``<name>-<step>.mar`` in the store is reused only when it is
+this run's export of this checkpoint: each archive carries ``identity.json`` (added by this
+module after the export: the run's id, a uuid made once per run directory and kept in
+``RUN/run_id``, and the checkpoint's step and digest, :func:`checkpoint_identity`). A run
+directory deleted and started again finds the earlier run's archive under the name and
+exports its own as ``<step>-<run8>`` (then ``<step>-<run8>-<ckpt8>`` for a checkpoint re-saved
+at the same step), with a warning and the collision in the record; an archive without the file
+(another tool's, or an export killed before it was stamped) is never reused. A run in another
+directory is refused the preset's model name when the store holds it from the first one (the
+export's rule, :func:`training.export.archive.check_owner`): one line in the record, nothing
+exported, the loop goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
+import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
+import uuid
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from training import checkpoint
 from training.continuous.config import ContinuousConfig
+from training.errors import ConfigError
+from training.export.archive import check_owner
 
 logger = logging.getLogger("training.continuous")
 POLL_S = 2.0
+RUN_ID = "run_id"  # in the run directory: the run's uuid
+IDENTITY = "identity.json"  # in the .mar: who exported it, from what
+IDENTITY_KEYS = ("run_id", "step", "digest")  # what must match for a reuse
 
 
 def on_rank0(fn: Callable[[], Any], rank: int) -> Any:
@@ -86,31 +110,158 @@ def serving_stack(serve_dir: Path) -> tuple[str | None, Path | None]:
     return plan.get("model"), Path(store) if store else None
 
 
+def run_id(run_dir: Path) -> str:
+    """The run's id: a uuid made once per run directory, kept in ``RUN/run_id`` (a deleted
+    and restarted run directory gets a new one; created with a link, never replaced)."""
+    path = run_dir / RUN_ID
+    if not path.is_file():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / f".{RUN_ID}.tmp-{os.getpid()}"
+        tmp.write_text(uuid.uuid4().hex + "\n")
+        with contextlib.suppress(FileExistsError):  # another process made it first: theirs
+            os.link(tmp, path)
+        tmp.unlink()
+    text = path.read_text().strip()
+    if not text:
+        raise RuntimeError(f"{path} is empty: delete it (a new run id is made) and run again")
+    return text
+
+
+def checkpoint_identity(ckpt: Path) -> dict[str, Any]:
+    """``{"step", "digest"}`` of a checkpoint directory: the sha256 of its ``meta.json``
+    (progress, ledger, metrics and ``saved_at``: written anew by every save) and DCP's
+    ``.metadata``, and of every file's name and size. Reads those two small files, not the
+    shards: the step, the save and the shard layout tell one checkpoint from another."""
+    h = hashlib.sha256()
+    for p in sorted(ckpt.iterdir()):
+        if p.is_file():
+            h.update(f"{p.name}\0{p.stat().st_size}\0".encode())
+            if p.name in (checkpoint.META, ".metadata"):
+                h.update(p.read_bytes())
+    step = int(checkpoint.read_meta(ckpt).get("progress", {}).get("step", -1))
+    return {"step": step, "digest": h.hexdigest()}
+
+
+def exported_identity(mar: Path) -> dict[str, Any] | None:
+    """The ``identity.json`` a published ``.mar`` carries; None when it has none (or is not
+    a readable archive)."""
+    try:
+        with zipfile.ZipFile(mar) as z:
+            found = json.loads(z.read(IDENTITY))
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def choose_version(
+    store: Path, name: str, ident: dict[str, Any]
+) -> tuple[str | None, bool, list[str]]:
+    """``(version, reuse, collisions)``: the first of ``<step>``, ``<step>-<run8>``,
+    ``<step>-<run8>-<ckpt8>`` whose ``.mar`` is absent (export it) or holds ``ident`` (reuse
+    it); version None when each holds another model. ``collisions``: one line per name taken."""
+    step, run8, ckpt8 = ident["step"], ident["run_id"][:8], ident["digest"][:8]
+    collisions: list[str] = []
+    for version in (str(step), f"{step}-{run8}", f"{step}-{run8}-{ckpt8}"):
+        mar = store / f"{name}-{version}.mar"
+        if not mar.is_file():
+            return version, False, collisions
+        found = exported_identity(mar)
+        if found is not None and all(found.get(k) == ident[k] for k in IDENTITY_KEYS):
+            return version, True, collisions
+        who = (
+            f"run {str(found.get('run_id'))[:8]}, checkpoint {str(found.get('digest'))[:8]}"
+            if found else "no identity.json"
+        )  # fmt: skip
+        collisions.append(f"{mar} is another model ({who})")
+    return None, False, collisions
+
+
+def _stamp_and_place(built: Path, mar: Path, ident: dict[str, Any]) -> None:
+    """Add ``identity.json`` to the archive built aside, then link it in under its name (an
+    archive that appeared there meanwhile is never replaced)."""
+    with zipfile.ZipFile(built, "a") as z:
+        info = zipfile.ZipInfo(IDENTITY, time.localtime()[:6])
+        info.external_attr = 0o644 << 16
+        z.writestr(info, json.dumps(ident, indent=2), compress_type=zipfile.ZIP_DEFLATED)
+    try:
+        os.link(built, mar)
+    except FileExistsError:
+        raise RuntimeError(f"{mar} appeared during the export: not replaced") from None
+    except OSError:  # a filesystem without hard links
+        if mar.exists():
+            raise RuntimeError(f"{mar} appeared during the export: not replaced") from None
+        os.replace(built, mar)
+
+
+def export(
+    cfg: ContinuousConfig, run_dir: Path, step: int, store: Path, base: dict[str, Any]
+) -> dict[str, Any]:
+    """Export ``run_dir``'s latest checkpoint (step ``step``) into ``store`` under a version
+    that is this run's and this checkpoint's, or reuse the one exported before a restart
+    (module doc); the export record (``version`` and ``mar`` set)."""
+    name = base["model"]
+    ckpt = checkpoint.read_latest(run_dir / "checkpoints")
+    if ckpt is None:
+        return {**base, "event": "export", "ok": False, "error": f"{run_dir}: no checkpoint"}
+    ident = {"run_id": run_id(run_dir), **checkpoint_identity(ckpt)}
+    if ident["step"] != step:
+        return {**base, "event": "export", "ok": False,
+                "error": f"{ckpt} is step {ident['step']}, not {step}: not exported"}  # fmt: skip
+    try:  # the export's rule, which it cannot apply to the staging folder it is given
+        check_owner(store, name, run_dir)
+    except ConfigError as e:
+        return {**base, "event": "export", "ok": False, "error": f"error: {e}"}
+    version, reuse, collisions = choose_version(store, name, ident)
+    for line in collisions:
+        logger.warning("%s: exporting this run's step %d under another version", line, step)
+    record: dict[str, Any] = {**base, "event": "export", "version": version,
+                              "run_id": ident["run_id"], "checkpoint_digest": ident["digest"]}  # fmt: skip
+    if collisions:
+        record["collisions"] = collisions
+    if version is None:
+        record.update(ok=False, error=f"{'; '.join(collisions)}: step {step} not exported: "
+                      f"remove those archives or set continuous.model_store")  # fmt: skip
+        return record
+    mar = store / f"{name}-{version}.mar"
+    record["mar"] = str(mar)
+    if reuse:  # this run's export of this checkpoint, from before a restart
+        return {**record, "ok": True, "reused": True}
+    t0 = time.perf_counter()
+    staging = store / f".publish-{os.getpid()}"  # built aside, stamped, then linked in
+    shutil.rmtree(staging, ignore_errors=True)
+    cmd = [sys.executable, "-m", "training.export", "--run-dir", str(run_dir),
+           "--checkpoint", str(ckpt), "--version", version, "--model-store", str(staging),
+           "--no-progress", *cfg.continuous.export_args]  # fmt: skip
+    try:
+        code, out = _run(cmd)
+        if code == 0:
+            try:
+                _stamp_and_place(staging / mar.name, mar, {**ident, "checkpoint": str(ckpt)})
+            except (OSError, RuntimeError, zipfile.BadZipFile) as e:
+                code, out = 1, f"error: {e}"
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    record.update(ok=code == 0, seconds=round(time.perf_counter() - t0, 1))
+    if code:
+        record["error"] = _last_error(out)
+    return record
+
+
 def publish(cfg: ContinuousConfig, run_dir: Path, step: int, newest: Path) -> list[dict[str, Any]]:
-    """Export step ``step`` of ``run_dir`` as version ``<step>``, then roll it out if a stack
-    serves this model; returns the records (export, and rollout when one ran)."""
+    """Export step ``step`` of ``run_dir`` as version ``<step>`` (another when that name is
+    another model's: module doc), then roll it out if a stack serves this model; returns the
+    records (export, and rollout when one ran)."""
     c = cfg.continuous
-    name, version = f"dlrm-{cfg.name}", str(step)
+    name = f"dlrm-{cfg.name}"
     served_model, store = serving_stack(c.serve_dir) if c.rollout else (None, None)
     store = store or c.model_store
-    mar = store / f"{name}-{version}.mar"
-    records: list[dict[str, Any]] = []
-    base = {"step": step, "version": version, "model": name, "time": time.time()}
-    if mar.is_file():  # exported before a restart: do not export it twice
-        records.append({**base, "event": "export", "ok": True, "mar": str(mar), "reused": True})
-    else:
-        t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "training.export", "--run-dir", str(run_dir),
-               "--version", version, "--model-store", str(store), "--no-progress",
-               *c.export_args]  # fmt: skip
-        code, out = _run(cmd)
-        record = {**base, "event": "export", "ok": code == 0, "mar": str(mar),
-                  "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
-        if code:
-            record["error"] = _last_error(out)
-        records.append(record)
-        if code:
-            return records
+    base = {"step": step, "version": str(step), "model": name, "time": time.time()}
+    record = export(cfg, run_dir, step, store, base)
+    records: list[dict[str, Any]] = [record]
+    if not record["ok"]:
+        return records
+    version = str(record["version"])
+    base = {**base, "version": version}
     if served_model is None:
         return records
     if served_model != name:
