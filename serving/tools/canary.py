@@ -5,7 +5,9 @@
   served model (:func:`misfit`): a default scoring near chance on them (AUC < 0.55 or NE > 1)
   means they are not data of its kind, and two such figures compared say nothing;
 * the **error** gate (:class:`ErrorGate`): while the canary steps shift traffic, the candidate's
-  error ratio may exceed the default's by ``max_error_excess`` at most.
+  error ratio may exceed the default's by ``max_error_excess`` at most. Its :class:`Verdict` is
+  pass, fail or *not judged* (fewer than ``error_min_requests`` candidate requests, metrics off
+  or unreachable): a step that is not judged waits on, never counts as a pass.
 
 The error gate reads the gateway's ``/metrics``: ``recsys_gateway_version_requests_total
 {model_version,code}`` counts each version's requests by the status code their scoring ended with
@@ -19,6 +21,7 @@ traffic); this gate catches a candidate that passes the probe and fails real req
 
 from __future__ import annotations
 
+import enum
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +75,22 @@ def outcomes(text: str) -> Outcomes:
     return out
 
 
+class Verdict(enum.Enum):
+    """What the error gate concluded. Only ``PASS`` lets a rollout go on: ``NOT_JUDGED`` (too
+    few candidate requests, metrics off or unreachable) is uncertainty, never success."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    NOT_JUDGED = "not judged"
+
+
+@dataclass(frozen=True)
+class Judgement:
+    verdict: Verdict
+    seen: str
+    """What was seen, in one line (the counts and the reason of the verdict)."""
+
+
 @dataclass
 class ErrorGate:
     """The candidate's error ratio against the default's, counted from ``start`` on."""
@@ -91,11 +110,15 @@ class ErrorGate:
         t1, e1 = now.get(version, (0.0, 0.0))
         return t1 - t0, e1 - e0
 
-    def check(self, now: Outcomes | None) -> tuple[bool, str]:
-        """``(go on, what was seen)``; False once the candidate has ``min_requests`` requests in
-        the window and its error ratio exceeds the default's by more than ``max_excess``."""
+    def check(self, now: Outcomes | None) -> Judgement:
+        """``FAIL`` once the candidate has ``min_requests`` requests in the window and its error
+        ratio exceeds the default's by more than ``max_excess``, ``PASS`` when it has them and
+        does not, ``NOT_JUDGED`` before it has them or while the metrics do not answer."""
         if self.start is None or now is None:
-            return True, "error gate off: the gateway's metrics are off or unreachable"
+            return Judgement(
+                Verdict.NOT_JUDGED,
+                "error gate cannot judge: the gateway's metrics are off or unreachable",
+            )
         (cn, ce), (dn, de) = self.window(now, self.candidate), self.window(now, self.default)
         cand, base = ce / cn if cn else 0.0, de / dn if dn else 0.0
         seen = (
@@ -103,10 +126,13 @@ class ErrorGate:
             f"v{self.default} {de:.0f}/{dn:.0f} ({base:.1%})"
         )
         if cn < self.min_requests:
-            return True, f"{seen}: fewer than {self.min_requests} requests, not judged yet"
+            return Judgement(
+                Verdict.NOT_JUDGED, f"{seen}: fewer than {self.min_requests} requests, not judged"
+            )
         if cand - base > self.max_excess:
-            return False, f"{seen}: {cand - base:+.1%} over the allowed {self.max_excess:+.1%}"
-        return True, f"{seen}: within {self.max_excess:+.1%}"
+            over = f"{cand - base:+.1%} over the allowed {self.max_excess:+.1%}"
+            return Judgement(Verdict.FAIL, f"{seen}: {over}")
+        return Judgement(Verdict.PASS, f"{seen}: within {self.max_excess:+.1%}")
 
 
 def misfit(base: dict[str, Any]) -> str | None:

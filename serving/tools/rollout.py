@@ -17,16 +17,24 @@
 4. **shift** the requests that name no version in ``--steps`` (default 5% -> 50% -> 100%),
    ``--dwell-s`` at each, checking that the candidate stays ready and that its error ratio
    (the gateway's ``version_requests_total{model_version,code}``) exceeds the default's by at
-   most ``--max-error-excess``, else it is **refused** as in 3 (serving/tools/canary.py);
+   most ``--max-error-excess``, else it is **refused** as in 3 (serving/tools/canary.py). A
+   step the gate cannot judge (fewer than ``--error-min-requests`` candidate requests, metrics
+   off or unreachable) goes on past its dwell, ``--judge-timeout-s`` at most, then the
+   candidate is refused: a step is never passed unjudged (``--steps 100``: no traffic step,
+   hence no error gate, said so);
 5. **promote**: the candidate becomes the plan's (and TorchServe's) default; the old default
    is recorded as ``previous``;
-6. **drain and unregister** the old default: out of the plan first (the gateway stops routing
-   to it), then, after ``--drain-s`` for calls already sent, unregistered on every replica.
+6. **keep** the old default loaded for ``--keep-previous-s`` (600 s; in the plan without
+   traffic of its own, so calls naming it are still answered): a rollback meanwhile is one
+   plan switch. TorchServe has no expiry: the first rollout command run after the grace (any
+   ``make rollout``, with or without VERSION) takes it out of the plan, waits ``--drain-s``
+   for calls already sent, and unregisters it on every replica. With 0, that happens here.
 
-``--rollback`` does the same towards the plan's ``previous`` version (re-registered from the
-model store), without evaluation and in one step by default: the known-good model comes back
-at once. A replica that restarts at any point loads the plan's versions (TorchServe's
-``config.properties`` is written from the plan), so replicas never serve different sets.
+``--rollback`` does the same towards the plan's ``previous`` version (still loaded within its
+grace, else registered again from the model store), without evaluation and in one step by
+default: the known-good model comes back at once. A replica that restarts at any point loads
+the plan's versions (TorchServe's ``config.properties`` is written from the plan), so replicas
+never serve different sets.
 
 A rollout interrupted half-way leaves a consistent plan (each step is one atomic write); run
 the same command again to continue, or ``--rollback``.
@@ -56,6 +64,15 @@ from serving.tools.channel import channel_fields
 from serving.tools.evaldata import Window, file_window, model_window, refusal
 from serving.tools.served import Gateway, RolloutError, Stack
 from serving.tools.state import WORKDIR, WORKDIR_ENV
+from serving.tools.versions import (
+    kept_version,
+    register_everywhere,
+    release_previous,
+    say,
+    settle_previous,
+    withdraw,
+    write,
+)
 from serving.torchserve import manage
 
 logger = logging.getLogger("serving.tools.rollout")
@@ -89,12 +106,17 @@ class RolloutConfig(ChannelConfig):
     """Refuse the candidate when its AUC is lower than the default's by more than this
     (negative: it must beat the default by at least that much)."""
     steps: list[int] = field(default_factory=lambda: [5, 50, 100])
-    """Percent of the requests naming no version sent to the candidate, step by step."""
+    """Percent of the requests naming no version sent to the candidate, step by step (the
+    error gate judges each step below 100; ``[100]``: none, so no error gate)."""
     max_error_excess: float = 0.01
     """Refuse the candidate when, in the traffic steps, its error ratio (non-OK requests /
     requests, the gateway's metrics) exceeds the default's by more than this (0.01: 1 point)."""
     error_min_requests: int = 20
-    """Candidate requests in the traffic steps before its error ratio is judged."""
+    """Candidate requests in the traffic steps before its error ratio is judged (fewer: not
+    judged, and a step not judged never lets the rollout go on: see ``judge_timeout_s``)."""
+    judge_timeout_s: float = 300.0
+    """Longest a traffic step goes on past ``dwell_s`` while the error gate cannot judge (too
+    few candidate requests, metrics off or unreachable); then the candidate is refused."""
     rollback_steps: list[int] = field(default_factory=lambda: [100])
     """The steps of ``rollback``."""
     dwell_s: float = 10.0
@@ -102,6 +124,11 @@ class RolloutConfig(ChannelConfig):
     drain_s: float = 5.0
     """After the old version leaves the plan: time for calls already sent to it to finish
     before it is unregistered."""
+    keep_previous_s: float = 600.0
+    """After a promotion, the old default stays in the plan (no traffic of its own) with its
+    workers loaded for this long, so ``rollback`` is one plan switch; the first rollout command
+    run after that (``make rollout``, with or without VERSION) unregisters it. 0 = drain and
+    unregister it at once."""
     timeout_s: float = 240.0
     """Longest wait for a replica to load a version, or for the gateway to apply a plan."""
     progress: bool = True
@@ -115,16 +142,11 @@ class RolloutConfig(ChannelConfig):
                 raise ValueError(f"{name} = {steps}: percents in (0, 100] ending with 100")
             if steps != sorted(steps):
                 raise ValueError(f"{name} = {steps}: must increase")
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
-
-
-def write(plan: Plan, stack: Stack, gateway: Gateway, timeout: float) -> Plan:
-    plan_io.save(plan, stack.plan_file)
-    gateway.applied(plan, timeout)
-    return plan
+        for name in ("judge_timeout_s", "keep_previous_s", "dwell_s", "drain_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} = {getattr(self, name)}: a duration, >= 0")
+        if self.error_min_requests < 0:
+            raise ValueError(f"error_min_requests = {self.error_min_requests}: >= 0")
 
 
 def eval_window(cfg: RolloutConfig, stack: Stack) -> Window:
@@ -152,58 +174,70 @@ def evaluate_version(
     return ev.metrics(y, p, ecfg.bins)
 
 
-def register_everywhere(
-    plan: Plan, version: str, mar: str, stack: Stack, gw: Gateway, timeout: float
-) -> Plan:
-    """Register on one replica after the other, each cordoned while it loads and warms the
-    version (the gateway sends its calls to the others, whose CPU is not busy loading)."""
-    try:
-        for ts in stack.replicas:
-            t0 = time.monotonic()
-            if len(stack.replicas) > 1:
-                cordon = (ts.grpc_inference_target,)
-                plan = write(plan.with_changes(cordon=cordon), stack, gw, timeout)
-            manage.register(ts, plan.model, version, mar, timeout)
-            manage.wait_ready(ts, plan.model, version, timeout)
-            took = time.monotonic() - t0
-            say(f"  {ts.grpc_inference_target}: {plan.model} v{version} READY ({took:.1f} s)")
-    finally:  # a failed registration leaves no replica cordoned
-        if plan.cordon:
-            plan = write(plan.with_changes(cordon=()), stack, gw, timeout)
-    return plan
+def step(
+    plan: Plan, pct: int, ctx: tuple[RolloutConfig, Stack, Gateway, canary.ErrorGate]
+) -> tuple[Plan, canary.Judgement]:
+    """``pct`` % of the traffic to the candidate for ``dwell_s``, then on until the error gate
+    judges, ``judge_timeout_s`` at most; returns the last judgement (only PASS goes on)."""
+    cfg, stack, gw, gate = ctx
+    old, target = gate.default, gate.candidate
+    say(f"  v{target} takes {pct}% of the traffic for {cfg.dwell_s:g} s")
+    traffic = {old: 100 - pct, target: pct}
+    plan = write(plan.with_changes(traffic=traffic), stack, gw, cfg.timeout_s)
+    t0, waiting = time.monotonic(), False
+    while True:  # readiness and errors looked at every 0.5 s, at least once a step
+        if not gw.ready(plan.model, target):
+            plan = write(plan.with_changes(traffic={}), stack, gw, cfg.timeout_s)
+            raise RolloutError(
+                f"v{target} left rotation at {pct}%: all traffic back to v{old}; "
+                f"`make rollout VERSION={target}` to retry or roll it out of the plan"
+            )
+        judged = gate.check(gw.outcomes())
+        waited = time.monotonic() - t0
+        if judged.verdict is canary.Verdict.FAIL or (
+            waited >= cfg.dwell_s
+            and (
+                judged.verdict is canary.Verdict.PASS or waited >= cfg.dwell_s + cfg.judge_timeout_s
+            )
+        ):
+            return plan, judged
+        if waited >= cfg.dwell_s and not waiting:
+            say(f"  {judged.seen}: waiting up to {cfg.judge_timeout_s:g} s more")
+            waiting = True
+        time.sleep(0.5)
 
 
-def unregister_everywhere(stack: Stack, model: str, version: str) -> None:
-    for ts in stack.replicas:
-        manage.unregister(ts, model, version)
-        say(f"  {ts.grpc_inference_target}: {model} v{version} unregistered")
-
-
-def withdraw(plan: Plan, version: str, cfg: RolloutConfig, stack: Stack, gw: Gateway) -> Plan:
-    """Take a non-default ``version`` out of the plan, let its calls finish, unregister it."""
-    versions = {v: e for v, e in plan.versions.items() if v != version}
-    traffic = {v: p for v, p in plan.traffic.items() if v != version}
-    traffic = {} if not traffic or set(traffic) == {plan.default} else traffic
-    plan = write(plan.with_changes(versions=versions, traffic=traffic), stack, gw, cfg.timeout_s)
-    gw.wait(
-        f"stop routing v{version}", lambda: gw.ready(plan.model, version) is None, cfg.timeout_s
-    )
-    time.sleep(cfg.drain_s)
-    unregister_everywhere(stack, plan.model, version)
-    return plan
+def refuse(
+    plan: Plan, why: str, report: dict[str, Any], cfg: RolloutConfig, stack: Stack, gw: Gateway
+) -> dict[str, Any]:
+    """The candidate out: all traffic back to the default, withdrawn, unregistered."""
+    target, old = report["to"], report["from"]
+    say(f"refused: v{target} {why}; v{old} keeps all traffic")
+    report["reason"] = why
+    plan = withdraw(plan, target, cfg, stack, gw)
+    report["plan"] = plan.to_json()
+    return report
 
 
 def rollout(cfg: RolloutConfig) -> dict[str, Any]:
     """The whole procedure (module doc); returns the report (raises RolloutError when it
-    stops; a refused candidate is a report with ``"promoted": False``)."""
-    stack = Stack.find(cfg)
+    stops; a refused candidate is a report with ``"promoted": False``). Without a version
+    (and not ``rollback``): only release the previous default if its grace is over."""
+    stack = Stack.find(cfg, cfg.workdir)
     plan = plan_io.load(stack.plan_file)
     old = plan.default
+    if not cfg.version and not cfg.rollback:
+        gw = Gateway(stack)
+        try:
+            if not kept_version(plan):
+                say(f"nothing kept loaded besides v{old}: which version? --version")
+            plan = release_previous(plan, cfg, stack, gw)
+        finally:
+            gw.close()
+        return {"model": plan.model, "to": "", "promoted": False, "plan": plan.to_json()}
     target = plan.previous if cfg.rollback else cfg.version
     if not target:
-        raise RolloutError(
-            "no previous version to roll back to" if cfg.rollback else "which version? --version"
-        )
+        raise RolloutError("no previous version to roll back to")
     if target == old:
         raise RolloutError(f"{plan.model} v{target} is the default already")
     mar = f"{plan.model}-{target}.mar"
@@ -227,12 +261,16 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
             if why := canary.misfit(base):
                 say(f"refused: v{old} (the default) {why}; nothing changed")
                 return report
+        if not cfg.rollback and target != kept_version(plan):
+            plan = release_previous(plan, cfg, stack, gw)
         say(f"[1/6] register {mar} on {len(stack.replicas)} replica(s)")
         plan = register_everywhere(plan, target, mar, stack, gw, cfg.timeout_s)
-        say(f"[2/6] add v{target} to the plan (no traffic yet)")
-        plan = write(
-            plan.with_changes(versions={**plan.versions, target: entry}), stack, gw, cfg.timeout_s
-        )
+        if target in plan.versions:
+            say(f"[2/6] v{target} is in the plan already (kept loaded)")
+        else:
+            say(f"[2/6] add v{target} to the plan (no traffic yet)")
+            plan = write(plan.with_changes(versions={**plan.versions, target: entry}), stack, gw,
+                         cfg.timeout_s)  # fmt: skip
         gw.wait(f"find v{target} ready", lambda: bool(gw.ready(plan.model, target)), cfg.timeout_s)
         if evaluated:
             say(f"[3/6] evaluate v{target} through the gateway against v{old}'s figures")
@@ -241,44 +279,28 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
             say(table)
             report["evaluation"] |= {"candidate": cand, "margin": cfg.margin}
             if not ok:
-                say(f"refused: v{target} is withdrawn; v{old} keeps all traffic")
-                plan = withdraw(plan, target, cfg, stack, gw)
-                report["plan"] = plan.to_json()
-                return report
+                return refuse(plan, "is withdrawn", report, cfg, stack, gw)
         else:
             say("[3/6] evaluation skipped" + (" (rollback)" if cfg.rollback else ""))
         steps = cfg.rollback_steps if cfg.rollback else cfg.steps
+        # judged before the promotion: every step below 100 % (``--steps 100`` asks for no
+        # canary window, as --no-evaluate for no evaluation: said so, not a judgement)
+        judged = steps[:-1]
         gate = canary.ErrorGate(old, target, cfg.max_error_excess, cfg.error_min_requests,
                                 gw.outcomes())  # fmt: skip
         say(f"[4/6] shift the traffic: {' -> '.join(f'{p}%' for p in steps)}"
-            + (" (at once)" if steps == [100] else ""))  # fmt: skip
-        for pct in steps:
-            if pct == 100:
-                break
-            say(f"  v{target} takes {pct}% of the traffic for {cfg.dwell_s:g} s")
-            plan = write(
-                plan.with_changes(traffic={old: 100 - pct, target: pct}), stack, gw, cfg.timeout_s
-            )
-            t0 = time.monotonic()
-            while True:  # readiness and errors looked at every 0.5 s, at least once a step
-                if not gw.ready(plan.model, target):
-                    plan = write(plan.with_changes(traffic={}), stack, gw, cfg.timeout_s)
-                    raise RolloutError(
-                        f"v{target} left rotation at {pct}%: all traffic back to v{old}; "
-                        f"`make rollout VERSION={target}` to retry or roll it out of the plan"
-                    )
-                go_on, seen = gate.check(gw.outcomes())
-                if not go_on:
-                    say(f"error gate: {seen}")
-                    say(f"refused: v{target} is withdrawn; v{old} keeps all traffic")
-                    report["error_gate"] = seen
-                    plan = withdraw(plan, target, cfg, stack, gw)  # its traffic goes with it
-                    report["plan"] = plan.to_json()
-                    return report
-                if time.monotonic() - t0 >= cfg.dwell_s:
-                    break
-                time.sleep(0.5)
-            say(f"  {seen}")
+            + ("" if judged else " (at once: no traffic step, no error gate)"))  # fmt: skip
+        for pct in judged:
+            plan, seen = step(plan, pct, (cfg, stack, gw, gate))
+            report["error_gate"] = seen.seen
+            if seen.verdict is canary.Verdict.FAIL:
+                say(f"error gate: {seen.seen}")
+                return refuse(plan, "is withdrawn", report, cfg, stack, gw)
+            if seen.verdict is canary.Verdict.NOT_JUDGED:
+                limit = cfg.dwell_s + cfg.judge_timeout_s
+                why = f"could not be judged in {limit:g} s at {pct}% ({seen.seen})"
+                return refuse(plan, f"is withdrawn: it {why}", report, cfg, stack, gw)
+            say(f"  {seen.seen}")
         say(f"[5/6] promote v{target} to default (previous: v{old})")
         for ts in stack.replicas:
             manage.set_default(ts, plan.model, target)
@@ -286,8 +308,7 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
             plan.with_changes(default=target, previous=old, traffic={}), stack, gw, cfg.timeout_s
         )
         report["promoted"] = True
-        say(f"[6/6] drain v{old} ({cfg.drain_s:g} s) and unregister it")
-        plan = withdraw(plan, old, cfg, stack, gw)
+        plan = settle_previous(plan, cfg, stack, gw)
         report["plan"] = plan.to_json()
     finally:
         gw.close()
@@ -314,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except grpc.RpcError as e:
         print(f"error: the gateway: {e.code().name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]
         return 1
+    if not report["to"]:  # only released (or kept) the previous default: nothing rolled out
+        return 0
     out = cfg.workdir / "rollouts" / f"{time.strftime('%Y%m%d-%H%M%S')}-v{report['to']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -20,9 +19,6 @@ from serving.tools.channel import for_gateway, metadata, open_channel
 from serving.tools.state import gateway_config, read_state, replicas
 from serving.tools.supervisor import local_target
 from serving.torchserve.config import TorchServeConfig
-
-if TYPE_CHECKING:
-    from serving.tools.rollout import RolloutConfig
 
 
 class RolloutError(RuntimeError):
@@ -39,14 +35,13 @@ class Stack:
     channel: ChannelConfig
 
     @classmethod
-    def find(cls, cfg: RolloutConfig) -> Stack:
-        state = read_state(cfg.workdir)
-        gw = gateway_config(cfg.workdir)
-        reps = replicas(cfg.workdir)
+    def find(cls, cfg: ChannelConfig, workdir: Path) -> Stack:
+        """What ``make serve`` recorded in ``workdir``, reached with ``cfg``'s channel."""
+        state = read_state(workdir)
+        gw = gateway_config(workdir)
+        reps = replicas(workdir)
         if gw is None or not reps or not state.get("plan"):
-            raise RolloutError(
-                f"nothing is serving from {cfg.workdir} (start it with `make serve`)"
-            )
+            raise RolloutError(f"nothing is serving from {workdir} (start it with `make serve`)")
         return cls(reps, gw, Path(state["plan"]), for_gateway(cfg, gw))
 
     @property

@@ -5,6 +5,8 @@ model's data (serving/tools/evaldata.py). No process is started or asked anythin
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +39,25 @@ def gateway_config(workdir: Path) -> GatewayConfig | None:
     """The running stack's gateway config (None when none was started)."""
     state = read_state(workdir)
     return build(GatewayConfig, state["gateway"]) if "gateway" in state else None
+
+
+def kept_since(workdir: Path, version: str) -> float | None:
+    """When the rollout that replaced ``version`` as the default kept it loaded (epoch
+    seconds; None: not recorded as kept, e.g. by a rollout with ``keep_previous_s = 0``)."""
+    kept = read_state(workdir).get("kept") or {}
+    return float(kept["since"]) if kept.get("version") == version else None
+
+
+def record_kept(workdir: Path, version: str | None) -> None:
+    """Record ``version`` as the previous default kept loaded from now on (None: none is);
+    serve.json is replaced whole (temp + rename), so a reader never sees half of it."""
+    state = read_state(workdir)
+    if not state:  # nothing started from here
+        return
+    if version:
+        state["kept"] = {"version": version, "since": time.time()}
+    else:
+        state.pop("kept", None)
+    tmp = workdir / f".{STATE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    tmp.replace(workdir / STATE)

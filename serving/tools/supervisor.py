@@ -5,7 +5,12 @@ archive of the schema's model version, waits until a worker is READY, then start
 in front of it and returns once its health service says SERVING (or fails with the log tail,
 stopping what it started). ``stop`` ends both (the gateway first, gracefully); ``status``
 reports them. What ``start`` launched (pids, resolved configs) is recorded in
-``<workdir>/serve.json``, so ``stop`` and ``status`` need nothing but the workdir.
+``<workdir>/serve.json``, so ``stop`` and ``status`` need nothing but the workdir. Each pid is
+recorded with its identity (boot, start time, command line: ``process.identity``): after a
+reboot or with a stale file the pid may belong to another process now, which ``stop`` never
+signals (``gateway: not running (pid N is now another process)``); a pid recorded without one
+(a serve.json of an older supervisor) that is alive is not signalled either: ``stop`` says how
+to check it by hand and exits 1.
 
 The gateway's ``backend`` and ``key_file`` are set from the TorchServe started here, and its
 ``auth.token_file`` defaults to ``<workdir>/gateway_token`` (created with a random token, mode
@@ -39,10 +44,11 @@ from recsys_stack.config import (
 from serving.gateway import plan as plan_io
 from serving.gateway.auth import AuthError, write_token_file
 from serving.gateway.config import TOKEN_FILE_NAME, ChannelConfig, GatewayConfig
-from serving.gateway.plan import PLAN_FILE
 from serving.gateway.validate import Schema
+from serving.gateway.plan import PLAN_FILE
 from serving.tools.channel import for_gateway
 from serving.tools.client import health
+from serving.tools.recorded import recorded, replica_name, still_ours, survey
 from serving.tools.state import STATE, WORKDIR, WORKDIR_ENV, gateway_config, read_state, replicas
 from serving.torchserve import manage, process
 from serving.torchserve.config import TorchServeConfig, on_free_ports, resolve_model
@@ -166,28 +172,6 @@ def _write_state(workdir: Path, **update: Any) -> None:
     (workdir / STATE).write_text(json.dumps(state, indent=2) + "\n")
 
 
-def _alive(pid: int | None) -> bool:
-    return pid is not None and bool(process.group_members(pid))
-
-
-def replica_name(i: int) -> str:
-    return "torchserve" if i == 0 else f"torchserve-{i}"
-
-
-def recorded(workdir: Path) -> dict[str, int]:
-    """``{"gateway": pid, "torchserve": pid, "torchserve-1": pid, ...}`` as recorded."""
-    state = read_state(workdir)
-    pids = {replica_name(i): r["pid"] for i, r in enumerate(state.get("replicas", []))}
-    if "gateway_pid" in state:
-        pids["gateway"] = state["gateway_pid"]
-    return pids
-
-
-def running(workdir: Path) -> dict[str, int]:
-    """The recorded processes still alive, by name."""
-    return {k: pid for k, pid in recorded(workdir).items() if _alive(pid)}
-
-
 # --- commands --------------------------------------------------------------------------------------
 
 
@@ -214,6 +198,16 @@ def replica_configs(cfg: ServeConfig, schema: Schema, plan_file: Path) -> list[T
     return out
 
 
+def _identity(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    """What is recorded beside a pid just started; a process whose identity cannot be read
+    is stopped here (unrecorded, ``stop`` would not know it)."""
+    try:
+        return process.started_identity(proc)
+    except RuntimeError:
+        process.stop(proc, timeout=10)
+        raise
+
+
 def start(cfg: ServeConfig) -> str:
     """Start TorchServe (every replica), then the gateway; returns a one-line summary. Stops
     everything on failure. The serving plan starts with the schema's one version (its
@@ -222,8 +216,11 @@ def start(cfg: ServeConfig) -> str:
         schema = Schema.load(cfg.gateway.schema)
     except (OSError, KeyError, ValueError) as e:
         raise FileNotFoundError(f"{cfg.gateway.schema}: {e} (run `make export` first)") from None
-    if running(cfg.workdir):
-        raise AlreadyRunning(f"already running ({cfg.workdir}); `make stop` first")
+    alive, notes = survey(cfg.workdir)
+    if alive or any(r.verdict() == "unverified" for r in recorded(cfg.workdir)):
+        raise AlreadyRunning(
+            f"already running ({cfg.workdir}); `make stop` first" + "".join(f"\n{n}" for n in notes)
+        )
     if cfg.replicas < 1:
         raise ValueError(f"replicas = {cfg.replicas}: at least 1")
     cfg.workdir.mkdir(parents=True, exist_ok=True)
@@ -245,7 +242,9 @@ def start(cfg: ServeConfig) -> str:
         procs = []
         for r in reps:  # recorded one by one: a failed start stops those already started
             procs.append(process.start(r))
-            started.append({"pid": procs[-1].pid, "torchserve": to_dict(r)})
+            pid = procs[-1].pid
+            started.append({"pid": pid, "identity": _identity(procs[-1]),
+                            "torchserve": to_dict(r)})  # fmt: skip
             _write_state(cfg.workdir, plan=str(plan_file), replicas=started)
         for r, p in zip(reps, procs, strict=True):
             process.wait_ready(r, cfg.timeout_s, p)
@@ -262,7 +261,8 @@ def start(cfg: ServeConfig) -> str:
         log = cfg.workdir / GATEWAY_LOG
         offset = log.stat().st_size if log.exists() else 0  # the log is appended to
         gateway = launch_gateway(gw, log)
-        _write_state(cfg.workdir, gateway_pid=gateway.pid, gateway=to_dict(gw))
+        _write_state(cfg.workdir, gateway_pid=gateway.pid,
+                     gateway_identity=_identity(gateway), gateway=to_dict(gw))  # fmt: skip
         channel = for_gateway(cfg.client, gw)
         wait_serving(local_target(gw), gateway, cfg.timeout_s, channel, (log, offset))
     except (FileNotFoundError, RuntimeError, ValueError) as e:
@@ -275,33 +275,48 @@ def start(cfg: ServeConfig) -> str:
     )
 
 
-def stop(workdir: Path, timeout: float = 30.0) -> list[str]:
-    """Stop the recorded gateway (SIGTERM: in-flight calls finish) and TorchServe's groups."""
-    alive = running(workdir)
-    if "gateway" in alive:
+@dataclass
+class Stopped:
+    """What ``stop`` did: the processes it ended, and a line for each it left alone."""
+
+    names: list[str]
+    notes: list[str]
+    held: bool
+    """A pid recorded without an identity is alive: nothing was signalled or removed (the
+    state and key files stay, for whoever checks it by hand)."""
+
+
+def stop(workdir: Path, timeout: float = 30.0) -> Stopped:
+    """Stop the recorded gateway (SIGTERM: in-flight calls finish) and TorchServe's groups,
+    each only while its pid is still the process ``start`` launched (boot, start time and
+    command line as recorded): a pid that another process holds now is never signalled."""
+    alive, notes = survey(workdir)
+    if any(r.verdict() == "unverified" for r in recorded(workdir)):
+        return Stopped([], notes, held=True)
+    if "gateway" in alive and still_ours(workdir, "gateway"):
         pid = alive["gateway"]
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while _alive(pid) and time.monotonic() < deadline:
+        while process.group_members(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if _alive(pid):
+        if process.group_members(pid):  # its group: the id is not reused while it exists
             os.killpg(pid, signal.SIGKILL)
     for i, ts in enumerate(replicas(workdir)):
-        if replica_name(i) in alive:
+        if replica_name(i) in alive and still_ours(workdir, replica_name(i)):
             process.stop(alive[replica_name(i)], timeout=timeout)
         ts.key_file.unlink(missing_ok=True)
     (workdir / STATE).unlink(missing_ok=True)
-    return sorted(alive)
+    return Stopped(sorted(alive), notes, held=False)
 
 
 def status(workdir: Path, client: ChannelConfig | None = None) -> tuple[int, str]:
     """``(exit code, report)``: 0 serving, 2 degraded, 3 not running (``client``: how to reach
     the gateway, completed from its recorded config). ``make status`` turns 3 into 0: nothing
     running is an answer there, not a failure."""
-    alive = running(workdir)
+    alive, notes = survey(workdir)
     if not alive:
-        return 3, f"not running ({workdir})"
-    lines, ok = [], True
+        return 3, "\n".join([*notes, f"not running ({workdir})"])
+    lines, ok = list(notes), not notes
     for i, ts in enumerate(replicas(workdir)):
         versions = _versions(ts) if replica_name(i) in alive else {}
         ok &= bool(versions) and all(versions.values())
@@ -324,9 +339,11 @@ def status(workdir: Path, client: ChannelConfig | None = None) -> tuple[int, str
     if state.get("plan"):
         try:
             p = plan_io.load(Path(state["plan"]))
+            kept = p.previous in p.versions and p.previous != p.default  # rollout.py
             lines.append(
                 f"plan {p.generation}: default v{p.default}, traffic "
                 f"{p.traffic or {p.default: 100}}, previous {p.previous or '-'}"
+                + (" (kept loaded for rollback)" if kept else "")
             )
         except plan_io.PlanError as e:
             lines.append(str(e))
@@ -359,8 +376,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(start(cfg))
             return 0
         if ns.command == "stop":
-            stopped = stop(cfg.workdir, cfg.timeout_s)
-            print(f"stopped {', '.join(stopped)}" if stopped else f"not running ({cfg.workdir})")
+            done = stop(cfg.workdir, cfg.timeout_s)
+            for note in done.notes:
+                print(note)
+            if done.held:
+                return 1
+            print(
+                f"stopped {', '.join(done.names)}" if done.names else f"not running ({cfg.workdir})"
+            )
             return 0
         code, report = status(cfg.workdir, cfg.client)
         print(report)

@@ -180,6 +180,53 @@ def wait_ready(
     return time.monotonic() - t0
 
 
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def identity(pid: int) -> dict[str, Any] | None:
+    """What tells process ``pid`` apart from a later one given the same pid (after it exited,
+    or after a reboot): the boot, its start time (field 22 of ``/proc/<pid>/stat``, clock ticks
+    since boot) and its command line. None: no such process (or a zombie). A recorded PID alone
+    names whatever process holds it now; record this beside it and compare before signalling."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # the name (field 2) may hold ") ": skip it
+    if not fields or fields[0] in ("Z", "X"):  # field 3, the state: exited, not yet reaped
+        return None
+    args = raw.split(b"\0")
+    cmdline = [a.decode(errors="replace") for a in (args[:-1] if args[-1] == b"" else args)]
+    return {"boot_id": _boot_id(), "start": int(fields[19]), "cmdline": cmdline}
+
+
+def started_identity(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> dict[str, Any]:
+    """:func:`identity` of a process just started, once its command line is the one started:
+    ``Popen`` returns when exec closes the descriptors, before the kernel has set the new
+    command line (``/proc/<pid>/cmdline`` reads empty for a moment, longer on a busy machine).
+    A script's interpreter comes first (``python .../torchserve --start ...``), so the command
+    line must end with the arguments given. ``{"exited": True}`` (never equal to a live
+    process's) when it has exited already."""
+    args = [str(a) for a in proc.args] if isinstance(proc.args, list) else [str(proc.args)]
+    deadline = time.monotonic() + timeout
+    while (now := identity(proc.pid)) is not None:
+        cmdline = now["cmdline"]
+        if cmdline and (len(args) < 2 or cmdline[-(len(args) - 1) :] == args[1:]):
+            return now
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"pid {proc.pid}: /proc/{proc.pid}/cmdline is {cmdline!r} {timeout:.0f} s after "
+                f"starting {args[:3]}...: cannot record which process it is"
+            )
+        time.sleep(0.01)
+    return {"exited": True}
+
+
 def group_members(pgid: int) -> list[psutil.Process]:
     """Live (non-zombie) processes of process group ``pgid``."""
     out = []

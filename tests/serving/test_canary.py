@@ -9,14 +9,18 @@ the version is READY and in rotation; every request with real ids fails in the m
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import shutil
 import subprocess
 import sys
 import threading
+import time
 import zipfile
 from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -26,11 +30,12 @@ import torch
 from prometheus_client import generate_latest
 
 from recsys_stack.net import free_ports
-from serving.gateway import metrics
 from serving.gateway import plan as plan_io
+from serving.gateway import metrics
 from serving.gateway.auth import client_token
 from serving.stubs import ranker_pb2_grpc
 from serving.tools import canary
+from serving.tools.canary import Verdict
 from serving.tools.client import build_request
 from serving.tools.supervisor import read_state, replicas
 from serving.torchserve import manage
@@ -39,6 +44,7 @@ from tests.conftest import ROOT, _env
 from tests.stack import STARTUP_TIMEOUT_S
 
 MODEL = "dlrm-tiny"
+PASS, FAIL, NOT_JUDGED = Verdict.PASS, Verdict.FAIL, Verdict.NOT_JUDGED
 
 
 def test_outcomes_count_each_versions_requests_by_status_code() -> None:
@@ -59,15 +65,29 @@ def test_outcomes_count_each_versions_requests_by_status_code() -> None:
 def test_the_error_gate_compares_the_candidate_with_the_default_over_one_window() -> None:
     start = {"1": (100.0, 1.0), "2": (40.0, 0.0)}  # before the first step: not counted
     gate = canary.ErrorGate("1", "2", max_excess=0.01, min_requests=20, start=start)
-    go_on, seen = gate.check({"1": (200.0, 2.0), "2": (50.0, 5.0)})
-    assert go_on and "not judged yet" in seen  # 10 candidate requests: too few to tell
-    go_on, seen = gate.check({"1": (300.0, 3.0), "2": (70.0, 0.0)})
-    assert go_on and "within" in seen  # 0/30 against the default's 2/200
-    go_on, seen = gate.check({"1": (300.0, 3.0), "2": (70.0, 1.0)})
-    assert not go_on, seen  # 1/30 = 3.3% against 1.0%: 2.3 points over, 1 allowed
-    assert seen.startswith("errors v2 1/30 (3.3%), v1 2/200 (1.0%)"), seen
-    assert gate.check(None)[0]  # the gateway's metrics off: nothing to judge by
-    assert canary.ErrorGate("1", "2", 0.01, 20, None).check({"2": (99.0, 99.0)})[0]
+    judged = gate.check({"1": (200.0, 2.0), "2": (50.0, 5.0)})
+    assert judged.verdict is NOT_JUDGED and "not judged" in judged.seen  # 10 requests: too few
+    judged = gate.check({"1": (300.0, 3.0), "2": (70.0, 0.0)})
+    assert judged.verdict is PASS and "within" in judged.seen  # 0/30 against the default's 2/200
+    judged = gate.check({"1": (300.0, 3.0), "2": (70.0, 1.0)})
+    assert judged.verdict is FAIL, judged  # 1/30 = 3.3% against 1.0%: 2.3 points over, 1 allowed
+    assert judged.seen.startswith("errors v2 1/30 (3.3%), v1 2/200 (1.0%)"), judged
+
+
+def test_the_error_gate_never_passes_what_it_could_not_judge() -> None:
+    """19/19 failed candidate requests, one short of ``min_requests``: not judged, not passed;
+    metrics off (no window) or unreachable (no counters now): not judged either."""
+    gate = canary.ErrorGate("1", "2", max_excess=0.01, min_requests=20, start={})
+    judged = gate.check({"1": (500.0, 0.0), "2": (19.0, 19.0)})
+    assert judged.verdict is NOT_JUDGED, judged
+    assert judged.seen == (
+        "errors v2 19/19 (100.0%), v1 0/500 (0.0%): fewer than 20 requests, not judged"
+    )
+    assert gate.check({"1": (500.0, 0.0), "2": (20.0, 20.0)}).verdict is FAIL
+    unreachable = gate.check(None)
+    assert unreachable.verdict is NOT_JUDGED and "unreachable" in unreachable.seen
+    metrics_off = canary.ErrorGate("1", "2", 0.01, 20, None)
+    assert metrics_off.check({"2": (99.0, 0.0)}).verdict is NOT_JUDGED
 
 
 class OneRowTable(torch.nn.Module):
@@ -112,10 +132,22 @@ def _python(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
     return proc
 
 
-@pytest.mark.slow
-def test_a_candidate_failing_real_requests_is_rolled_back_by_the_error_gate(
-    exported: tuple[Path, Path, str], tmp_path: Path
-) -> None:
+@dataclass
+class Served:
+    """``make serve`` of v1.0 with the failing v2.0 in its store, and a caller thread."""
+
+    env: dict[str, str]
+    workdir: Path
+    metrics_port: int
+    codes: Counter[str]
+
+
+@contextlib.contextmanager
+def serving_with_a_failing_candidate(
+    exported: tuple[Path, Path, str], tmp_path: Path, pause_s: float
+) -> Iterator[Served]:
+    """The stack for the block, a thread calling it (requests naming no version, ``pause_s``
+    apart) throughout; stopped after, nothing left running."""
     export, shared_store, _ = exported
     store = tmp_path / "store"  # a store of its own: the shared one's newest .mar stays 1.0's
     store.mkdir()
@@ -147,7 +179,7 @@ def test_a_candidate_failing_real_requests_is_rolled_back_by_the_error_gate(
                     codes["OK"] += 1
                 except grpc.RpcError as e:
                     codes[e.code().name] += 1  # type: ignore[attr-defined]
-                stop.wait(0.02)
+                stop.wait(pause_s)
 
     caller = None
     try:
@@ -159,24 +191,7 @@ def test_a_candidate_failing_real_requests_is_rolled_back_by_the_error_gate(
         assert token
         caller = threading.Thread(target=traffic, args=(target, request, token), daemon=True)
         caller.start()
-        ro = _python("serving.tools.rollout", "--version", "2.0", "--no-evaluate",
-                     "--steps", "50,100", "--dwell-s", "120", "--drain-s", "1",
-                     "--error-min-requests", "10", env=env)  # fmt: skip
-        assert ro.returncode == 1, ro.stderr
-        assert "error gate: errors v2.0 " in ro.stdout and "promote" not in ro.stdout
-        assert "refused: v2.0 is withdrawn; v1.0 keeps all traffic" in ro.stdout
-        plan = plan_io.load(Path(read_state(workdir)["plan"]))
-        assert (plan.default, list(plan.versions), plan.traffic) == ("1.0", ["1.0"], {})
-        assert manage.versions(replicas(workdir)[0], MODEL) == {"1.0": 1}  # 2.0 unregistered
-        text = canary.scrape(f"http://127.0.0.1:{p[6]}/metrics")
-        assert text is not None
-        seen = canary.outcomes(text)
-        assert seen["2.0"][0] >= 10 and seen["2.0"][1] == seen["2.0"][0], seen  # all failed
-        assert seen["1.0"][0] > 0 and seen["1.0"][1] == 0, seen
-        before = codes.copy()
-        stop.wait(2)  # the gateway routes nothing to 2.0 anymore: every call is OK again
-        assert codes["OK"] > before["OK"] and codes["INTERNAL"] == before["INTERNAL"], codes
-        assert set(codes) == {"OK", "INTERNAL"}, codes
+        yield Served(env, workdir, p[6], codes)
     except Exception:
         print((workdir / "gateway.log").read_text(errors="replace")[-4000:])
         raise
@@ -185,3 +200,57 @@ def test_a_candidate_failing_real_requests_is_rolled_back_by_the_error_gate(
         if caller is not None:
             caller.join(timeout=30)
         _python("serving.tools.supervisor", "stop", env=env)
+
+
+def _withdrawn(served: Served) -> canary.Outcomes:
+    """Asserts v2.0 is out of the plan and unregistered; the counters per version."""
+    plan = plan_io.load(Path(read_state(served.workdir)["plan"]))
+    assert (plan.default, list(plan.versions), plan.traffic) == ("1.0", ["1.0"], {})
+    assert manage.versions(replicas(served.workdir)[0], MODEL) == {"1.0": 1}  # 2.0 unregistered
+    text = canary.scrape(f"http://127.0.0.1:{served.metrics_port}/metrics")
+    assert text is not None
+    return canary.outcomes(text)
+
+
+@pytest.mark.slow
+def test_a_candidate_failing_real_requests_is_rolled_back_by_the_error_gate(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    with serving_with_a_failing_candidate(exported, tmp_path, pause_s=0.02) as served:
+        codes = served.codes
+        ro = _python("serving.tools.rollout", "--version", "2.0", "--no-evaluate",
+                     "--steps", "50,100", "--dwell-s", "120", "--drain-s", "1",
+                     "--error-min-requests", "10", env=served.env)  # fmt: skip
+        assert ro.returncode == 1, ro.stderr
+        assert "error gate: errors v2.0 " in ro.stdout and "promote" not in ro.stdout
+        assert "refused: v2.0 is withdrawn; v1.0 keeps all traffic" in ro.stdout
+        seen = _withdrawn(served)
+        assert seen["2.0"][0] >= 10 and seen["2.0"][1] == seen["2.0"][0], seen  # all failed
+        assert seen["1.0"][0] > 0 and seen["1.0"][1] == 0, seen
+        before = codes.copy()
+        time.sleep(2)  # the gateway routes nothing to 2.0 anymore: every call is OK again
+        assert codes["OK"] > before["OK"] and codes["INTERNAL"] == before["INTERNAL"], codes
+        assert set(codes) == {"OK", "INTERNAL"}, codes
+
+
+@pytest.mark.slow
+def test_a_failing_candidate_on_too_little_traffic_to_judge_is_refused(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    """One call a second: at 50 % the candidate gets far fewer than ``--error-min-requests``
+    (20) calls in the step and its extension, every one failing. The gate never judges, so
+    the candidate is refused, never promoted."""
+    with serving_with_a_failing_candidate(exported, tmp_path, pause_s=1.0) as served:
+        ro = _python("serving.tools.rollout", "--version", "2.0", "--no-evaluate",
+                     "--steps", "50,100", "--dwell-s", "2", "--judge-timeout-s", "10",
+                     "--drain-s", "1", env=served.env)  # fmt: skip
+        assert ro.returncode == 1, ro.stderr
+        assert "promote" not in ro.stdout, ro.stdout
+        refused = [ln for ln in ro.stdout.splitlines() if ln.startswith("refused: ")]
+        assert len(refused) == 1, ro.stdout
+        assert refused[0].startswith(
+            "refused: v2.0 is withdrawn: it could not be judged in 12 s at 50% (errors v2.0 "
+        ), refused
+        assert refused[0].endswith("not judged); v1.0 keeps all traffic"), refused
+        seen = _withdrawn(served)
+        assert 0 < seen["2.0"][0] < 20 and seen["2.0"][1] == seen["2.0"][0], seen  # all failed

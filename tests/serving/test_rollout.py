@@ -2,9 +2,11 @@
 ``python -m serving.tools.rollout`` under a running Locust load, Triton's client routing versions.
 
 Three archives of one model: v1 (the tiny run's step-30 checkpoint), v2 (its step 40) and v3, a
-candidate worse on purpose (two training steps). v1 -> v2 is promoted, v3 is refused, a
-replica restarted after the promotion loads v2 (not the archive it first started with), and
-``--rollback`` returns to v1; Locust's calls all succeed meanwhile.
+candidate worse on purpose (two training steps). v1 -> v2 is promoted (v1 kept loaded for its
+grace), v3 is refused, a replica restarted after the promotion loads the plan's v2 and kept v1
+(not the archive it first started with), ``--rollback`` returns to v1 with a plan switch (v1's
+workers are the ones loaded before: nothing registered again), and ``make rollout`` after the
+grace unregisters v2; Locust's calls all succeed meanwhile.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,7 +59,9 @@ def versions(
         exports[version] = shutil.copytree(run / "export", base / f"export-{version}")
     bad = base / "bad"  # worse on purpose: two steps of training
     run_train([*EXPORT_TINY, "--run-dir", str(bad), *data_dirs, "train.max_steps=2"], nproc=0)
-    run_export(["--run-dir", str(bad), "--version", "3", "--model-store", str(store)])
+    # another run, the same model on purpose (a name given is the user's to share)
+    run_export(["--run-dir", str(bad), "--name", MODEL, "--version", "3",
+                "--model-store", str(store)])  # fmt: skip
     exports["3"] = bad / "export"
     synthetic = Path(data_dirs[1].split("=", 1)[1].strip('"'))
     return store, exports, next(synthetic.glob("*.tsv"))
@@ -124,6 +129,29 @@ def _metric(target_metrics: str, name: str, label: str = "model_version") -> dic
     }
 
 
+def _wait_calls(metrics_at: str, n: int, timeout: float = 180.0) -> None:
+    """Until the gateway has answered ``n`` more calls: Locust's users are up and calling."""
+
+    def calls() -> float:
+        text = canary.scrape(f"http://{metrics_at}/metrics") or ""
+        return sum(total for total, _ in canary.outcomes(text).values())
+
+    t0, base = time.monotonic(), calls()
+    while calls() - base < n:
+        assert time.monotonic() - t0 < timeout, f"fewer than {n} calls in {timeout:.0f} s"
+        time.sleep(0.5)
+
+
+def _worker_pids(workdir: Path, version: str) -> list[list[int]]:
+    """The pids of ``version``'s workers, per replica."""
+    return [
+        sorted(
+            int(w["pid"]) for m in manage.describe(ts, MODEL, version) or [] for w in m["workers"]
+        )
+        for ts in replicas(workdir)
+    ]
+
+
 def test_rollout_refusal_restart_and_rollback_under_load(
     versions: tuple[Path, dict[str, Path], Path], tmp_path: Path
 ) -> None:
@@ -175,17 +203,20 @@ def test_rollout_refusal_restart_and_rollback_under_load(
             assert bad.returncode != 0, bad.stderr  # make: exit 2 for the command's exit 1
             assert "refused: v3 is withdrawn; v2 keeps all traffic" in bad.stdout
         assert load["requests"] > 100 and load["failures"] == 0, load
-        plan = plan_io.load(plan_file)
-        assert (plan.default, list(plan.versions), plan.traffic) == ("2", ["2"], {})
+        plan = plan_io.load(plan_file)  # v1 kept loaded (no traffic of its own) for rollback
+        assert (plan.default, list(plan.versions), plan.traffic) == ("2", ["1", "2"], {})
         assert plan.previous == "1"
         # the gateway names the plan file it applied: what the rollout waited on was its own
         applied = _metric(metrics_at, "recsys_gateway_plan_generation", "plan")
         assert applied == {str(plan_file.resolve()): plan.generation}, applied
-        for ts in replicas(workdir):  # v1 drained and unregistered, v3 never kept
-            assert manage.versions(ts, MODEL) == {"2": 1}
+        for ts in replicas(workdir):  # v1 kept, v3 withdrawn and unregistered
+            assert manage.versions(ts, MODEL) == {"1": 1, "2": 1}
         # requests per version, by status code: not one failed
-        outcomes = canary.outcomes(canary.scrape(f"http://{metrics_at}/metrics") or "")
-        assert all(errors == 0 for _, errors in outcomes.values()), outcomes
+        text = canary.scrape(f"http://{metrics_at}/metrics") or ""
+        outcomes = canary.outcomes(text)
+        failed = [(labels, n) for labels, n in canary.samples(text, canary.VERSION_REQUESTS)
+                  if labels.get("code") != "OK" and n]  # fmt: skip
+        assert not failed, failed
         seen = {v: total for v, (total, _) in outcomes.items()}
         assert seen.get("1", 0) > 0 and seen.get("2", 0) > 0, seen  # both took Locust's calls
         # v3 answered its evaluation's requests (which name it) and not one of Locust's
@@ -198,19 +229,42 @@ def test_rollout_refusal_restart_and_rollback_under_load(
         process.stop(state["pid"])
         restarted = process.start(ts)
         process.wait_ready(ts, STARTUP_TIMEOUT_S, restarted)
-        assert manage.versions(ts, MODEL) == {"2": 1}
+        for v in ("1", "2"):
+            manage.wait_ready(ts, MODEL, v, STARTUP_TIMEOUT_S)
+        assert manage.versions(ts, MODEL) == {"1": 1, "2": 1}
+        v1_workers = _worker_pids(workdir, "1")
 
         with locust(target, data, tmp_path / "load-2", env) as load:
+            _wait_calls(metrics_at, 50)  # the rollback takes about a second: load it is under
+            t0 = time.monotonic()
             back = run("rollback", "ROLLOUT_ARGS=--drain-s 2")
+            took = time.monotonic() - t0
             assert back.returncode == 0, back.stderr
+            # within the grace: v1 was still loaded; set-default and one plan switch, no
+            # registration (the same worker processes, READY before the command started)
+            assert back.stdout.count(f"{MODEL} v1 READY already (loaded)") == 2, back.stdout
+            assert "[2/6] v1 is in the plan already (kept loaded)" in back.stdout
+            assert _worker_pids(workdir, "1") == v1_workers
+            done = next(ln for ln in back.stdout.splitlines() if ln.startswith("done in "))
+            print(f"rollback within the grace: {done} (`make rollback`: {took:.1f} s)")
             rows, want = _expected(exports["1"])
             got, served = _scores(target, token, rows)
             assert served == "1"
             np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+            assert _scores(target, token, rows, version="2")[1] == "2"  # v2 kept in its turn
+            kept = run("rollout")  # no VERSION: within v2's grace, nothing to do
+            assert kept.returncode == 0 and "stays loaded for rollback" in kept.stdout, kept
+            time.sleep(1.5)
+            gone = run("rollout", "ROLLOUT_ARGS=--keep-previous-s 1 --drain-s 1")  # grace over
+            assert gone.returncode == 0, gone.stderr
+            assert "release v2 (previous): its grace of 1 s is over" in gone.stdout, gone.stdout
             with pytest.raises(InferenceServerException, match=r"NOT_FOUND|not served"):
                 _scores(target, token, rows, version="2")  # drained and unregistered
         assert load["requests"] > 50 and load["failures"] == 0, load
-        assert plan_io.load(plan_file).default == "1"
+        plan = plan_io.load(plan_file)
+        assert (plan.default, list(plan.versions), plan.previous) == ("1", ["1"], "2")
+        for ts in replicas(workdir):
+            assert manage.versions(ts, MODEL) == {"1": 1}
     except Exception:
         print((workdir / "gateway.log").read_text(errors="replace")[-4000:])
         raise

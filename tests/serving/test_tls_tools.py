@@ -87,7 +87,7 @@ def test_tools_work_against_mutual_tls_and_protected_health(
         cfg = load(rollout.RolloutConfig, environ=env,
                    overrides=[f"workdir={workdir}", f"eval_data={tsv}", "progress=false"])  # fmt: skip
         assert cfg.tls_cert == str(certs["client.pem"])  # RECSYS_CLIENT_TLS_CERT
-        stack = rollout.Stack.find(cfg)
+        stack = rollout.Stack.find(cfg, cfg.workdir)
         gw = rollout.Gateway(stack)
         try:
             assert gw.ready("dlrm-tiny", "1.0") is True
