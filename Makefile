@@ -175,7 +175,7 @@ bench: setup  ## training (trainer vs DMP ceiling vs plain PyTorch) and serving 
 SCALE_STAGES ?= serving training
 bench-scale: setup  ## export/serving vs table size (SCALE_ARGS), preprocessing + training at the Kaggle shape (SCALE_TRAIN_ARGS): reports/bench-scale/ [SCALE_STAGES=serving|training]
 	$(if $(filter serving,$(SCALE_STAGES)),$(PY) -m serving.bench.scale $(SCALE_ARGS))
-	$(if $(filter training,$(SCALE_STAGES)),$(PY) -m training.bench_scale $(SCALE_TRAIN_ARGS))
+	$(if $(filter training,$(SCALE_STAGES)),$(PY) -m training.bench.scale $(SCALE_TRAIN_ARGS))
 
 test: test-deps setup  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -196,7 +196,7 @@ test-deps:  ## install the system tools the suite needs (apt: docker-compose, pr
 	$$sudo_ apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo_ apt-get install -y -qq$$missing >/dev/null
 
 lint: setup  ## ruff + mypy
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy training serving loadtest recsys_stack
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy training serving loadtest recsys_stack recsys_model
 
 fmt: setup
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .

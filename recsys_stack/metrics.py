@@ -1,6 +1,6 @@
 """ROC AUC, the one definition every stage reports.
 
-Training's evaluation (``training/metrics.py``), the export's parity check, the synthetic
+Training's evaluation (``training/metrics/log.py``), the export's parity check, the synthetic
 data's oracle, the served model's evaluation (``serving.tools.evaluate``: numpy, no torch) and
 the GPU check (``serving.tools.gpu_check``: torch, no numpy) all call :func:`roc_auc`, so
 their AUCs are comparable to the last digit. It takes numpy arrays or torch tensors and imports

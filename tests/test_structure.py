@@ -16,12 +16,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("recsys_stack", "training", "serving", "loadtest")
+PACKAGES = ("recsys_stack", "recsys_model", "training", "serving", "loadtest")
+# The two stages share only the bottom layer: neither imports the other.
+BOTTOM = ("recsys_stack", "recsys_model")
+STAGES = ("training", "serving")
+MAX_TOP_LEVEL = 10  # training/'s own .py files (__init__.py included; subpackages apart)
 MAX_LINES = 400
 # Imported, deliberately not declared in pyproject.toml (its comment says why): the fbgemm build
 # depends on the device, torchrec is installed with --no-deps.
 INSTALLED_BY_MAKE_SETUP = {"fbgemm_gpu", "torchrec"}
-# Imported only inside a TorchServe worker, from the archive's own folder (handler -> codec).
+# Imported only inside a TorchServe worker, from the archive's own folder, where the export packs
+# serving/worker/{codec,scoring}.py and recsys_model/{features,mapped,portable_model}.py flat.
 ARCHIVE_LOCAL = {"codec", "features", "mapped", "portable_model", "scoring", "torch_codec"}
 
 
@@ -83,39 +88,94 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle as ``[a, b, ..., a]``, or None."""
-    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+def cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """Every import circle: the strongly connected groups of two or more modules (Tarjan),
+    each as a sorted tuple, so that one test run names all of them, not only the first."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
     stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[tuple[str, ...]] = []
 
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
         stack.append(node)
+        on_stack.add(node)
         for dep in sorted(graph.get(node, ())):
-            if state.get(dep) == 1:
-                return [*stack[stack.index(dep) :], dep]
-            if dep not in state and (cycle := visit(dep)):
-                return cycle
-        stack.pop()
-        state[node] = 2
-        return None
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in on_stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                group.append(top)
+                if top == node:
+                    break
+            if len(group) > 1:
+                found.append(tuple(sorted(group)))
 
     for node in sorted(graph):
-        if node not in state and (cycle := visit(node)):
-            return cycle
-    return None
+        if node not in index:
+            visit(node)
+    return sorted(found)
 
 
 def test_the_cycle_finder_finds_cycles() -> None:
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [("a", "b", "c")]
+    two = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c", "a"}}
+    assert cycles(two) == [("a", "b"), ("c", "d", "e")]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
 
 
 def test_no_import_cycle() -> None:
     graph = import_graph()
     assert len(graph) > 40  # the walk found the project
-    cycle = find_cycle(graph)
-    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+    found = cycles(graph)
+    assert not found, "import circles (break each): " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_stages_share_only_the_bottom_layer() -> None:
+    # training and serving never import each other; what both need lives in recsys_stack
+    # (config, logs, net) or recsys_model (the transforms, the portable scorer, the tables).
+    arrows = sorted(
+        f"{name} -> {dep}"
+        for name, deps in import_graph().items()
+        for dep in deps
+        for top, other in (("training", "serving"), ("serving", "training"))
+        if name.split(".")[0] == top and dep.split(".")[0] == other
+    )
+    assert not arrows, "imports across the stages (move what both use to the bottom layer): " + (
+        "; ".join(arrows)
+    )
+    upward = sorted(
+        f"{name} -> {dep}"
+        for name, deps in import_graph().items()
+        if name.split(".")[0] in BOTTOM
+        for dep in deps
+        if dep.split(".")[0] in STAGES
+    )
+    assert not upward, "the bottom layer imports a stage: " + "; ".join(upward)
+
+
+def test_serving_torchserve_does_not_import_the_gateway() -> None:
+    # TorchServe's side reads the plan file; the format lives below both (serving.plan).
+    arrows = sorted(
+        f"{name} -> {dep}"
+        for name, deps in import_graph().items()
+        if name.startswith("serving.torchserve")
+        for dep in deps
+        if dep.startswith("serving.gateway")
+    )
+    assert not arrows, "serving.torchserve imports the gateway: " + "; ".join(arrows)
+
+
+def test_training_top_level_is_small() -> None:
+    top = sorted(p.name for p in (ROOT / "training").glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, f"training/ has {len(top)} modules at its top: {top}"
 
 
 def test_no_module_over_400_lines() -> None:

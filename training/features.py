@@ -1,12 +1,12 @@
 """The Criteo feature layout, and the raw-feature transforms the model artifact owns.
 
-The transforms are defined once, in :mod:`serving.worker.features` (torch only, so the served
+The transforms are defined once, in :mod:`recsys_model.features` (torch only, so the served
 side has them without importing training): training applies them in the data loader, and
 export scripts the very same functions into every artifact, so training and serving cannot
 disagree. Shapes: ``B`` batch, ``D`` dense features (13), ``F`` sparse features (26).
 """
 
-from serving.worker.features import dense_transform, hash_ids, hash_values, pack_ids
+from recsys_model.features import dense_transform, hash_ids, hash_values, pack_ids
 
 __all__ = [
     "DENSE_NAMES",

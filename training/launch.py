@@ -3,7 +3,7 @@
 ``make train`` starts its process group through here. On Ctrl-C (SIGINT to the whole
 foreground group) torchrun stops its ranks and then raises its ``SignalException`` with a
 traceback, after two warnings per rank; the ranks have already said what survived and how to
-resume (:mod:`training.interrupt`), so this exits with ``128 + signal`` (130 for Ctrl-C)
+resume (:mod:`training.checkpoint.interrupt`), so this exits with ``128 + signal`` (130 for Ctrl-C)
 without them. Everything else is torchrun's own behaviour, failure reports included.
 """
 

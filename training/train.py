@@ -2,9 +2,9 @@
 
 ``main()`` parses and reports errors; ``train()`` does the work as a schedule of named pieces:
 data -> :func:`~training.trainer.build_trainer` (planner -> DMP with the embedding optimizer
-fused into backward) -> :class:`~training.checkpointer.Checkpointer` restore -> the TorchRec
-train pipeline stepped by :class:`~training.loop.TrainLoop`, with the
-:class:`~training.evaluator.Evaluator` (AUC/NE) and the checkpointer called when due.
+fused into backward) -> :class:`~training.checkpoint.checkpointer.Checkpointer` restore -> the
+TorchRec train pipeline stepped by :class:`~training.step_loop.TrainLoop`, with the
+:class:`~training.metrics.evaluator.Evaluator` (AUC/NE) and the checkpointer called when due.
 Gloo on CPU, NCCL on CUDA.
 """
 
@@ -27,19 +27,20 @@ from torch.distributed.checkpoint.api import CheckpointException
 from recsys_stack import logs
 from recsys_stack.net import free_ports
 from recsys_stack.progress import progress as progress_bar
-from training import checkpoint, interrupt
-from training.checkpointer import Checkpointer
+from training.checkpoint import interrupt
+from training.checkpoint import store as checkpoint
+from training.checkpoint.checkpointer import Checkpointer
+from training.checkpoint.peers import EXIT_PEER_LOST, lost_peer
+from training.checkpoint.peers import message as peer_lost_message
 from training.config import Config, RunArgs, config_to_dict, parse_args
-from training.data_prep import prepare_data
+from training.data.loader import Arrays, ReadLedger, TrainStream
+from training.data.prep import prepare_data
 from training.errors import DataError, RecsysError
-from training.evaluator import Evaluator
-from training.loader import Arrays, ReadLedger, TrainStream
-from training.loop import TrainLoop
-from training.metrics import MetricsLog
-from training.peers import EXIT_PEER_LOST, lost_peer
-from training.peers import message as peer_lost_message
+from training.metrics.evaluator import Evaluator
+from training.metrics.log import MetricsLog
+from training.metrics.tb import for_run as scalars_for_run
 from training.sharding import format_plan
-from training.tb import for_run as scalars_for_run
+from training.step_loop import TrainLoop
 from training.trainer import Trainer, build_trainer, make_pipeline, unwrapped_model
 
 logger = logging.getLogger("training")
@@ -147,7 +148,7 @@ def train_stream(
 def open_logs(run_dir: Path, cfg: Config, step: int, rank: int) -> tuple[MetricsLog, MetricsLog]:
     """``metrics.jsonl`` and ``train_loss.jsonl`` (and their TensorBoard scalars) cut back to
     ``step`` (a resumed run redoes what came after its checkpoint), and ``config.json``."""
-    tb = scalars_for_run(run_dir, rank, step)  # TensorBoard: RUN/tb/ (training.tb)
+    tb = scalars_for_run(run_dir, rank, step)  # TensorBoard: RUN/tb/ (training.metrics.tb)
     metrics_log = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0, tb=tb, tb_prefix="eval")
     loss_log = MetricsLog(run_dir / "train_loss.jsonl", enabled=rank == 0, tb=tb, tb_prefix="train")
     metrics_log.truncate_after(step)
@@ -307,7 +308,7 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
         loop, trainer, evaluator, checkpointer, lambda r: run_warnings(r, progress, stream, cfg)
     )
     if rank == 0:
-        from training.plot import plot_run
+        from training.metrics.plot import plot_run
 
         logger.info("training rows read by each rank: %s", format_reads(checkpointer.reads))
         logger.info("learning curves: %s", plot_run(run_dir))
@@ -338,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         return run(args, rank)
-    except KeyboardInterrupt:  # Ctrl-C: one line from rank 0 (training.interrupt)
+    except KeyboardInterrupt:  # Ctrl-C: one line from rank 0 (training.checkpoint.interrupt)
         if rank == 0 and args is not None:
             lead = "\n" if args.progress and sys.stderr.isatty() else ""  # after the bar's line
             print(f"{lead}error: {interrupt.message(args.config, args.run_dir)}", file=sys.stderr)
@@ -350,7 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: RunArgs, rank: int) -> int:
-    """``--prepare-only`` or the training; a lost peer said in one line (training.peers)."""
+    """``--prepare-only`` or the training; a lost peer said in one line
+    (training.checkpoint.peers)."""
     try:
         if args.prepare_only:
             prepare(args)

@@ -33,7 +33,7 @@ from serving.gateway import metrics
 from serving.gateway.admission import AdmissionInterceptor
 from serving.gateway.backends import BackendPool
 from serving.gateway.config import GatewayConfig
-from serving.gateway.plan import schema_plan
+from serving.gateway.plan_watcher import schema_plan
 from serving.gateway.ranker import SERVICE, Ranker
 from serving.gateway.rpc import Chain, Routes, add_servicer
 from serving.gateway.validate import Schema

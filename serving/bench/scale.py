@@ -42,6 +42,7 @@ import grpc
 import numpy as np
 import psutil
 
+from recsys_model.mapped import drop_cached
 from recsys_stack import logs
 from recsys_stack.config import ConfigError, parse
 from serving.bench.measure import run_cell
@@ -53,7 +54,6 @@ from serving.stubs import ranker_pb2_grpc
 from serving.tools.client import build_request, gateway_status
 from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig, on_free_ports
-from serving.worker.mapped import drop_cached
 
 KAGGLE_TOTAL = sum(KAGGLE_ROWS)
 CGROUP = Path("/sys/fs/cgroup/memory")

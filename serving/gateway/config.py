@@ -138,7 +138,7 @@ class GatewayConfig:
     """The exported model's schema.json: the request contract (feature names and order) and
     model name every version shares; its version is the one served when ``plan`` is empty."""
     plan: str = env_field("RECSYS_SERVING_PLAN", "")
-    """Serving plan file (serving/gateway/plan.py: versions, default, traffic shares), re-read when it
+    """Serving plan file (serving/plan.py: versions, default, traffic shares), re-read when it
     changes; written by ``make serve``, ``make rollout`` and ``make rollback``. Empty = the one
     version of ``schema``."""
     host: str = env_field("RECSYS_GATEWAY_HOST", "127.0.0.1")

@@ -28,9 +28,9 @@ import numpy as np
 
 from serving.gateway import metrics
 from serving.gateway.errors import ScoreError
-from serving.gateway.plan import ordered
 from serving.gateway.rpc import add_servicer
 from serving.gateway.validate import InvalidRequest, Schema, clip, validate_arrays
+from serving.plan import ordered
 from serving.stubs import kserve_pb2, kserve_pb2_grpc
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ Exported (prefix ``recsys_gateway_``):
   on another one if any is left (the backend leaves rotation; a timeout is never retried).
 - ``model_info{model_name,model_version}``: each served version (always 1);
   ``version_traffic_ratio{model_version}``: its share of the requests that name no version;
-  ``plan_generation{plan}``: the serving plan applied, by plan file (serving/gateway/plan.py).
+  ``plan_generation{plan}``: the serving plan applied, by plan file (serving/plan.py).
 - ``version_requests_total{model_version,code}``: requests per version by the status code its
   scoring ended with (OK, or the backend failure's: INTERNAL, UNAVAILABLE, DEADLINE_EXCEEDED;
   refusals before a version is chosen are not counted here); ``scores{model_version}``

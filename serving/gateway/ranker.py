@@ -24,9 +24,9 @@ from serving.gateway.backends import Backend, BackendPool
 from serving.gateway.coalesce import Arrays, Coalescer, Expired, ScoreCountError
 from serving.gateway.config import CoalesceConfig, GatewayConfig
 from serving.gateway.errors import BackendError, ScoreError
-from serving.gateway.plan import Plan, ordered
 from serving.gateway.validate import InvalidRequest, Schema, clip
 from serving.gateway.wire import decode_score_request, peek_examples, score_response
+from serving.plan import Plan, ordered
 from serving.stubs import ranker_pb2_grpc
 from serving.worker.codec import HEADER, CodecError, body_bytes, decode_response, encode_request
 

@@ -29,10 +29,11 @@ from serving.gateway.auth import interceptors as auth_interceptors
 from serving.gateway.backends import BackendPool
 from serving.gateway.config import GatewayConfig
 from serving.gateway.memory import keep_freed_memory
-from serving.gateway.plan import Plan, PlanError, PlanWatcher, ordered, schema_plan
+from serving.gateway.plan_watcher import PlanWatcher, schema_plan
 from serving.gateway.ranker import ENVELOPE_BYTES, SERVICE, Ranker
 from serving.gateway.rpc import Chain, HandlerInterceptor, Routes, add_servicer
 from serving.gateway.validate import Schema
+from serving.plan import Plan, PlanError, ordered
 from serving.stubs import kserve_pb2, ranker_pb2, ranker_pb2_grpc, reflection_pool
 from serving.torchserve.keys import KeyFileError, read_keys
 from serving.worker.codec import body_bytes

@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from serving.gateway.backends import BackendPool
     from serving.gateway.coalesce import Arrays
     from serving.gateway.config import GatewayConfig
-    from serving.gateway.plan import Plan
     from serving.gateway.validate import Schema
+    from serving.plan import Plan
 
 
 class Scorer(Protocol):

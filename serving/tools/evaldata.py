@@ -24,7 +24,7 @@ from typing import Any
 
 from recsys_stack.criteo_rows import ParsedRows, RowError, scan_rows
 from recsys_stack.datafile import DataMismatch, check, heldout, shown
-from serving.gateway import plan as plan_io
+from serving import plan as plan_io
 from serving.tools.state import read_state, replicas
 
 

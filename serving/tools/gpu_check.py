@@ -7,7 +7,7 @@ borrowed CUDA machine with the repository copied and no venv. It
    export's reference probabilities in ``sample.npz`` (``probs_eager``, else ``probs_fp32``; fp32:
    max |Δp| <= 1e-5; fp16/bf16: |ΔAUC| <= 1e-3): the mapped ``fp16`` tables (what CUDA workers
    load) and the mapped ``fp32`` tables (the model as trained) when they are in the folder, each
-   table file checked against schema.json's size and sha256 first (``serving.worker.mapped.
+   table file checked against schema.json's size and sha256 first (``recsys_model.mapped.
    load_mapped``); and, for an export with the ``portable`` format, its TorchScript fp32/fp16,
    the ``torch.export`` program and the module rebuilt from ``portable_state.pt`` with this
    machine's torch;
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
+from recsys_model.portable_model import from_state
 from recsys_stack.config import ConfigError, parse
 from recsys_stack.metrics import roc_auc
-from serving.worker.portable_model import from_state
 
 logger = logging.getLogger("serving.tools.gpu_check")
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -119,7 +119,7 @@ def check_tables(export: Path, name: str, info: dict[str, Any]) -> str | None:
     """Why mapped variant ``name`` cannot be checked here (a file missing: the fp32 tables are
     not archived and may be left behind), else None. Raises ValueError when its table file
     is not the one the export wrote (size, sha256)."""
-    from serving.worker.mapped import sha256
+    from recsys_model.mapped import sha256
 
     record = info["tables"]
     missing = [f for f in (info["file"], record["file"]) if not (export / f).is_file()]
@@ -136,7 +136,7 @@ def load_models(
 ) -> tuple[dict[str, Any], list[str]]:
     """Every variant torch alone loads on any device, on ``device`` (name -> callable), and a
     note for each one skipped."""
-    from serving.worker.mapped import load_mapped
+    from recsys_model.mapped import load_mapped
     from serving.worker.scoring import load_artifact
 
     models: dict[str, Any] = {}

@@ -54,10 +54,10 @@ from typing import Any
 import grpc
 
 from recsys_stack.config import ConfigError, env_field, parse
-from serving.gateway import plan as plan_io
+from serving import plan as plan_io
 from serving.gateway.auth import AuthError
 from serving.gateway.config import ChannelConfig
-from serving.gateway.plan import Plan, PlanError
+from serving.plan import Plan, PlanError
 from serving.tools import canary
 from serving.tools import evaluate as ev
 from serving.tools.channel import channel_fields

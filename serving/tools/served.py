@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 
 from serving.gateway.config import ChannelConfig, GatewayConfig
-from serving.gateway.plan import Plan
+from serving.plan import Plan
 from serving.stubs import kserve_pb2, kserve_pb2_grpc
 from serving.tools import canary
 from serving.tools.channel import for_gateway, metadata, open_channel

@@ -41,11 +41,11 @@ from recsys_stack.config import (
     from_args,
     to_dict,
 )
-from serving.gateway import plan as plan_io
+from serving import plan as plan_io
 from serving.gateway.auth import AuthError, write_token_file
 from serving.gateway.config import TOKEN_FILE_NAME, ChannelConfig, GatewayConfig
 from serving.gateway.validate import Schema
-from serving.gateway.plan import PLAN_FILE
+from serving.plan import PLAN_FILE
 from serving.tools.channel import for_gateway
 from serving.tools.client import health
 from serving.tools.recorded import recorded, replica_name, still_ours, survey

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from serving.gateway import plan as plan_io
-from serving.gateway.plan import Plan
+from serving import plan as plan_io
+from serving.plan import Plan
 from serving.tools import state
 from serving.tools.served import Gateway, Stack
 from serving.torchserve import manage

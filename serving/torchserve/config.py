@@ -13,7 +13,7 @@ which only the operator's tools read (the gateway holds the inference key alone)
 (:func:`allowed_urls`), so the management key cannot fetch an archive (handler code) from
 anywhere else.
 
-With ``plan`` set (``serving/gateway/plan.py``, written by ``make serve`` and ``make rollout``), every
+With ``plan`` set (``serving/plan.py``, written by ``make serve`` and ``make rollout``), every
 version in the plan is registered at start with the plan's default as TorchServe's default: a
 replica that restarts serves what the gateway routes to.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from recsys_stack.config import env_field
 from recsys_stack.net import free_ports
-from serving.gateway import plan
+from serving import plan
 
 LOG_FILE = "torchserve.log"
 WORKDIR = Path("runs/serve/torchserve")

@@ -47,7 +47,7 @@ def _load_mapped() -> Callable[..., Any]:
     try:  # inside a TorchServe worker, archive files sit side by side
         from mapped import load_mapped  # type: ignore[import-not-found]
     except ImportError:
-        from serving.worker.mapped import load_mapped
+        from recsys_model.mapped import load_mapped
     return load_mapped  # type: ignore[no-any-return]
 
 

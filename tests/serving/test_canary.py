@@ -30,7 +30,7 @@ import torch
 from prometheus_client import generate_latest
 
 from recsys_stack.net import free_ports
-from serving.gateway import plan as plan_io
+from serving import plan as plan_io
 from serving.gateway import metrics
 from serving.gateway.auth import client_token
 from serving.stubs import ranker_pb2_grpc

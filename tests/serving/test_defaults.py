@@ -23,7 +23,7 @@ import pytest
 
 from recsys_stack.metrics import roc_auc
 from recsys_stack.net import free_ports
-from serving.gateway import plan as plan_io
+from serving import plan as plan_io
 from serving.tools.state import read_state
 from serving.worker.codec import to_rows
 from tests.conftest import ROOT, _env

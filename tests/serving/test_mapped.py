@@ -1,4 +1,4 @@
-"""Tables mapped from disk (``serving.worker.mapped``): same scores, one copy shared by the
+"""Tables mapped from disk (``recsys_model.mapped``): same scores, one copy shared by the
 processes that map them (PSS, not RSS), a clear error for a bad file, and a process confined to
 half the table bytes still scoring a power-law load (a real cgroup memory limit).
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving.worker.mapped import drop_cached, load_mapped, save_dense, write_tables
-from serving.worker.portable_model import PortableScorer
+from recsys_model.mapped import drop_cached, load_mapped, save_dense, write_tables
+from recsys_model.portable_model import PortableScorer
 from tests.conftest import ROOT, _env
 
 F = 26
@@ -98,7 +98,7 @@ def test_a_bad_file_is_one_error_naming_it(tmp_path: Path, damage: str) -> None:
 CHILD = textwrap.dedent("""
     import json, sys, time, torch
     from pathlib import Path
-    from serving.worker.mapped import load_mapped
+    from recsys_model.mapped import load_mapped
     from tests.serving.test_mapped import batch
     m = load_mapped(Path(sys.argv[1]), torch.device("cpu"))
     assert torch.isfinite(m.weight.sum()) and m(*batch()).shape == (64,)
@@ -156,7 +156,7 @@ def memory_cgroup() -> Path | None:
 ZIPF = textwrap.dedent("""
     import json, resource, sys, time, numpy as np, torch
     from pathlib import Path
-    from serving.worker.mapped import load_mapped
+    from recsys_model.mapped import load_mapped
     Path(sys.argv[2]).write_text(str(__import__("os").getpid()))  # the parent confines us
     sys.stdin.readline()
     m = load_mapped(Path(sys.argv[1]), torch.device("cpu"))
@@ -262,7 +262,7 @@ def test_an_overwrite_in_place_with_the_mtime_kept_is_verified_again(tmp_path: P
 CHANGED = textwrap.dedent("""
     import os, sys, torch
     from pathlib import Path
-    from serving.worker.mapped import load_mapped
+    from recsys_model.mapped import load_mapped
     from tests.serving.test_mapped import batch
     path = Path(sys.argv[1])
     m = load_mapped(path, torch.device("cpu"))

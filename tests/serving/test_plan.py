@@ -1,4 +1,4 @@
-"""The serving plan (serving/gateway/plan.py) as pure functions, the gateway's watcher of it, and the
+"""The serving plan (serving/plan.py) as pure functions, the gateway's watcher of it, and the
 TorchServe config written from it."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from serving.gateway import plan as plan_io
-from serving.gateway.plan import Plan, PlanConflict, PlanError, PlanWatcher, Version
+from serving import plan as plan_io
+from serving.gateway.plan_watcher import PlanWatcher
 from serving.gateway.validate import Schema
+from serving.plan import Plan, PlanConflict, PlanError, Version
 from serving.torchserve.config import TorchServeConfig, properties, served_versions
 
 DENSE, SPARSE = ("I1", "I2"), ("C1", "C2", "C3")

@@ -30,7 +30,7 @@ from tritonclient.utils import InferenceServerException
 
 from loadtest import report
 from recsys_stack.net import free_ports
-from serving.gateway import plan as plan_io
+from serving import plan as plan_io
 from serving.gateway.auth import client_token
 from serving.tools import canary, evaluate
 from serving.tools.supervisor import read_state, replicas

@@ -11,11 +11,12 @@ import json
 import os
 from pathlib import Path
 
-from serving.gateway import plan as plan_io
+from serving import plan as plan_io
 from serving.gateway.auth import TokenFile
-from serving.gateway.plan import Plan, PlanWatcher, Version
+from serving.gateway.plan_watcher import PlanWatcher
 from serving.gateway.validate import Schema
 from serving.gateway.watched import WatchedFile
+from serving.plan import Plan, Version
 
 DENSE, SPARSE = ("I1", "I2"), ("C1", "C2")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from training.checkpoint import read_tensors
-from training.metrics import read_metrics
+from training.checkpoint.store import read_tensors
+from training.metrics.log import read_metrics
 
 TINY = ["--config", "training/configs/tiny.toml", "--no-progress"]
 # Plan A (2 ranks): C1 and C2 split by columns over both ranks, every other table whole on one.

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.conftest import ROOT
-from training import checkpoint
+from training.checkpoint import store as checkpoint
 from training.errors import RecsysError
 
 STEP = 7

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from tests.conftest import ROOT, _env, third_party_noise
-from training.bench import METHODS
-from training.bench_steppers import PlainDLRM, _plain_inputs
+from training.bench.run import METHODS
+from training.bench.steppers import PlainDLRM, _plain_inputs
 from training.config import load_config
+from training.data.loader import Arrays, make_batch
 from training.features import NUM_DENSE, NUM_SPARSE
-from training.loader import Arrays, make_batch
 from training.model import build_dlrm
 
 

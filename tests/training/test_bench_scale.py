@@ -1,4 +1,4 @@
-"""``python -m training.bench_scale`` end to end at a tiny size: every stage runs for real
+"""``python -m training.bench.scale`` end to end at a tiny size: every stage runs for real
 (preprocessing with 1 and 2 processes, torchrun on 1 node x 2 ranks and on 2 nodes x 1 rank),
 and the JSON it writes is complete and consistent with the cache layout."""
 
@@ -22,7 +22,7 @@ TINY = ROOT / "training/configs/tiny.toml"
 def test_tiny_bench_scale_writes_every_stage(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [
-        sys.executable, "-m", "training.bench_scale", "--rows=20000", f"--preset={TINY}",
+        sys.executable, "-m", "training.bench.scale", "--rows=20000", f"--preset={TINY}",
         "--part-bytes=1000000",  # several parts, so 2 processes really share the work
         "--processes=2", "--repeats=1", "--window=3", "--windows=1",
         f"--work={tmp_path / 'work'}", f"--out={out}",

@@ -15,7 +15,7 @@ import pytest
 
 from recsys_stack.config import flag_name, iter_keys
 from tests.conftest import ROOT, run_train
-from training.bench import main as bench_main
+from training.bench.run import main as bench_main
 from training.config import Config, parse_args
 from training.config import build_parser as train_parser
 from training.export.__main__ import build_parser as export_parser

@@ -16,10 +16,10 @@ import pytest
 
 from tests.conftest import ROOT, VENV_BIN, _env
 from training.continuous.figure import draw
-from training.continuous.loop import KILL_AT_STEP_ENV
+from training.continuous.file_loop import KILL_AT_STEP_ENV
 from training.data.drift import drift_report
 from training.data.synthetic import SyntheticSpec
-from training.metrics import read_metrics
+from training.metrics.log import read_metrics
 
 pytestmark = pytest.mark.slow
 

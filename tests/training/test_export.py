@@ -75,7 +75,7 @@ FRESH = textwrap.dedent(
     """
     import sys, numpy as np, torch
     from pathlib import Path
-    from serving.worker.mapped import load_mapped
+    from recsys_model.mapped import load_mapped
     m = load_mapped(Path(sys.argv[1]), torch.device("cpu"))
     s = np.load(sys.argv[2])
     d, v, l = (torch.from_numpy(s[k]) for k in ("dense", "values", "lengths"))
@@ -103,7 +103,7 @@ def test_fresh_process_with_torch_alone_scores_1000_rows(exported: tuple[Path, P
 def test_batch_scores_equal_per_row_scores_at_any_batch_size(
     exported: tuple[Path, Path, str], variant: str
 ) -> None:
-    from serving.worker.mapped import load_mapped
+    from recsys_model.mapped import load_mapped
 
     export, _, _ = exported
     m = load_mapped(export / f"mapped_{variant}.pt", torch.device("cpu"))

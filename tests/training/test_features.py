@@ -1,5 +1,5 @@
 """One transform everywhere: the loader, the export's scorer and the portable scorer turn the same
-raw rows into the same model inputs, because each calls ``serving.worker.features``.
+raw rows into the same model inputs, because each calls ``recsys_model.features``.
 
 Each path is run on its own input form (the loader on stored rows, the scorers on the
 ``(dense, values, lengths)`` a request decodes to) and its features are read where the model
@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-from serving.worker import features as served
+from recsys_model import features as served
+from recsys_model.portable_model import PortableScorer
 from serving.worker.codec import decode_json
-from serving.worker.portable_model import PortableScorer
 from training import features
+from training.data.loader import Arrays, make_batch
 from training.export.scorer import Scorer, raw_inputs
 from training.features import DENSE_NAMES, NUM_DENSE, NUM_SPARSE, SPARSE_NAMES
-from training.loader import Arrays, make_batch
 
 # table sizes: tiny (everything hashes to 0), prime, power of two, large
 ROWS = [[1, 2, 3, 97, 1000, 65_536, 1_000_003][f % 7] for f in range(NUM_SPARSE)]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, _env, make_command
-from training.checkpoint import is_complete
+from training.checkpoint.store import is_complete
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from training.checkpoint import Progress
+from training.checkpoint.store import Progress
 from training.errors import DataError
-from training.loop import TrainLoop, Window
-from training.metrics import MetricsLog, read_metrics
+from training.metrics.log import MetricsLog, read_metrics
+from training.step_loop import TrainLoop, Window
 
 
 class _Pipeline:

@@ -33,9 +33,9 @@ import torch
 from recsys_stack.net import free_ports
 from tests.conftest import ROOT, _env, make_command, run_make
 from tests.training.conftest import PLAN_A, PLAN_B, assert_plan_a_resumed_as_plan_b, losses, plan
-from training.checkpoint import read_latest, read_meta, read_tensors
-from training.loader import Arrays, TrainStream, row_digest
-from training.metrics import read_metrics
+from training.checkpoint.store import read_latest, read_meta, read_tensors
+from training.data.loader import Arrays, TrainStream, row_digest
+from training.metrics.log import read_metrics
 
 pytestmark = pytest.mark.slow
 

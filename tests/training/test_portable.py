@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving.worker.portable_model import PortableScorer, from_state, to_state
+from recsys_model.portable_model import PortableScorer, from_state, to_state
 from training.config import ModelConfig
 from training.errors import ConfigError
 from training.export.pipeline import ExportConfig, check_cuda_int8

@@ -26,12 +26,12 @@ from training.config import DataConfig
 from training.data import binary, build, layout
 from training.data.binary import ensure_binary, load_binary, preprocess
 from training.data.criteo import CriteoReader
+from training.data.loader import Arrays, make_batch
 from training.data.parts import Job, Part, parse_part
+from training.data.prep import prepare_data
 from training.data.synthetic import SyntheticSpec, generate
-from training.data_prep import prepare_data
 from training.errors import DataError
 from training.features import MISSING_ID, NUM_SPARSE
-from training.loader import Arrays, make_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = 3000  # part size in bytes: about 12 rows

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import ROOT, _env, make_command, run_train
 from training.data.synthetic import SyntheticSpec, generate, prob_sidecar
 from training.features import NUM_SPARSE
-from training.metrics import read_metrics
+from training.metrics.log import read_metrics
 from training.train import suggest_batch
 
 pytestmark = pytest.mark.slow

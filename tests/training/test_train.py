@@ -12,8 +12,8 @@ from tests.conftest import ROOT, run_train
 from tests.training.conftest import MOM, PLAN_A, PLAN_B, TINY, assert_plan_a_resumed_as_plan_b
 from tests.training.conftest import losses as _losses
 from tests.training.conftest import plan as _plan
-from training.checkpoint import KILL_IN_SAVE_ENV, read_tensors
-from training.metrics import read_metrics
+from training.checkpoint.store import KILL_IN_SAVE_ENV, read_tensors
+from training.metrics.log import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -10,11 +10,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata
 
-from training import checkpoint, rowwise
+from training.checkpoint import rowwise
+from training.checkpoint import store as checkpoint
 from training.config import load_config, parse_args
+from training.data.loader import Arrays, TrainStream, eval_batches, make_batch
 from training.errors import CheckpointError, ConfigError
 from training.features import MISSING_ID, NUM_DENSE, NUM_SPARSE, dense_transform, hash_ids
-from training.loader import Arrays, TrainStream, eval_batches, make_batch
 
 TINY = "training/configs/tiny.toml"
 

@@ -1,5 +1,5 @@
 """``torchrun --nproc_per_node=N -m training.continuous --run-dir RUN --data-dir DIR [--follow]``
-(``make continuous``, ``recsys-continuous``): see :mod:`training.continuous.loop`."""
+(``make continuous``, ``recsys-continuous``): see :mod:`training.continuous.file_loop`."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         rank, world, device = setup_distributed()
-        from training.continuous.loop import Continuous
+        from training.continuous.file_loop import Continuous
 
         summary = Continuous(args, rank, world, device).run()
         if rank == 0:

@@ -21,7 +21,7 @@ from typing import Any
 
 from recsys_stack import config as shared
 from recsys_stack.config import env_field
-from training import checkpoint
+from training.checkpoint import store as checkpoint
 from training.config import Config, add_run_args, config_errors
 from training.errors import ConfigError, RecsysError
 

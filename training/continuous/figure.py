@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from training.continuous.loop import EVENTS, PROGRESSIVE
-from training.metrics import read_metrics
+from training.continuous.file_loop import EVENTS, PROGRESSIVE
+from training.metrics.log import read_metrics
 
 
 def _records(run: Path, name: str) -> list[dict[str, Any]]:

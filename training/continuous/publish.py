@@ -52,7 +52,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from training import checkpoint
+from training.checkpoint import store as checkpoint
 from training.continuous.config import ContinuousConfig
 from training.errors import ConfigError
 from training.export.archive import check_owner

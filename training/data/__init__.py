@@ -1,1 +1,2 @@
-"""Criteo data: TSV reading (``criteo``), synthetic data (``synthetic``), binary shards (``binary``)."""
+"""Criteo data: TSV reading (``criteo``), synthetic data (``synthetic``), binary shards
+(``binary``), the data a run prepares (``prep``) and the batches it trains on (``loader``)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from serving.worker.portable_model import PortableScorer, from_state, to_state
+from recsys_model.portable_model import PortableScorer, from_state, to_state
 
 logger = logging.getLogger("training.export")
 INPUTS = ("dense", "values", "lengths")

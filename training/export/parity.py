@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from recsys_stack.metrics import roc_auc
+from training.data.loader import Arrays
 from training.export.scorer import raw_inputs
-from training.loader import Arrays
 
 Model = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MAX_ABS_DIFF_FP32 = 1e-5  # scripted fp32 vs eager: the same math, so only float noise

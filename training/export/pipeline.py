@@ -30,21 +30,25 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+import recsys_model
+from recsys_model.features import DESCRIPTION as TRANSFORMS
 from recsys_stack import datafile
-from serving.worker.features import DESCRIPTION as TRANSFORMS
+from training.data.loader import Arrays
 from training.errors import ConfigError, DataError
 from training.export import variants
 from training.export.archive import archive, check_owner, check_target
 from training.export.parity import latency_report, parity_report, predict
 from training.export.scorer import CPU_ROW_ALIGNMENT, load_config, raw_inputs, resolve_checkpoint
 from training.features import DENSE_NAMES, SPARSE_NAMES, table_name
-from training.loader import Arrays
 
 logger = logging.getLogger("training.export")
 SCHEMA_VERSION = 1
 SAMPLE_ROWS = 1000
-# Modules the handler imports, archived beside it (TorchServe puts them on the worker's path).
-HANDLER_MODULES = ("codec.py", "scoring.py", "mapped.py", "portable_model.py", "features.py")
+# Modules the handler imports, archived flat beside it (TorchServe puts them on the worker's
+# path): the worker's own, from the handler's folder, and the model's, from recsys_model/.
+HANDLER_MODULES = ("codec.py", "scoring.py")
+MODEL_MODULES = ("mapped.py", "portable_model.py", "features.py")
+MODEL_DIR = Path(recsys_model.__file__).parent
 Format = Literal["int8", "fp16", "fp32", "torchscript", "portable", "pt2", "onnx", "aoti"]
 DEFAULT_FORMATS: tuple[Format, ...] = ("int8", "fp16", "fp32")
 # the variants (schema.json's ``variants`` keys) each format writes
@@ -153,7 +157,7 @@ def check_cuda_int8(cuda_available: bool) -> None:
 def parity_arrays(ecfg: ExportConfig, train_cfg: Any) -> Arrays:
     """Held-out rows: ``--eval-data`` or the run's eval split, at most ``parity_rows``."""
     from training.data.binary import ensure_binary, load_binary
-    from training.data_prep import prepare_data
+    from training.data.prep import prepare_data
 
     tables = list(train_cfg.model.rows())  # the cache training built: ids hashed once
     if ecfg.eval_data is not None:
@@ -177,7 +181,7 @@ def data_record(cfg: Any, meta: dict[str, Any]) -> dict[str, Any]:
     """The data the run trained and held out rows of (schema.json ``data``: files with their
     fingerprints, rows, the held-out split; :mod:`recsys_stack.datafile`)."""
     from training.data.criteo import resolve_data_paths
-    from training.data_prep import synthetic_path
+    from training.data.prep import synthetic_path
 
     info = meta.get("data", {})
     try:
@@ -372,7 +376,8 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
             built = archive(
                 tmp, carried[0].name, ecfg.handler,
                 [tmp / "schema.json", tmp / "parity.json", *carried[1:]]
-                + [ecfg.handler.parent / m for m in HANDLER_MODULES],
+                + [ecfg.handler.parent / m for m in HANDLER_MODULES]
+                + [MODEL_DIR / m for m in MODEL_MODULES],
                 staging, ecfg.name, ecfg.version, True,
             )  # fmt: skip
             # Checked again right before the swap: another export may have taken the version.

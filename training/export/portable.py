@@ -1,7 +1,8 @@
 """The portable variants: the trained weights in a pure-PyTorch scorer that loads with torch alone.
 
 :func:`portable_scorer` copies a TorchRec DLRM's tables (into one ``[sum(rows), E]`` weight)
-and MLPs into :class:`serving.worker.portable_model.PortableScorer`; :func:`save_portable` writes it as
+and MLPs into :class:`recsys_model.portable_model.PortableScorer`; :func:`save_portable` writes
+it as
 
 * ``model_portable.pt`` / ``model_portable_fp16.pt``: TorchScript, fp32 / fp16 weights;
 * ``model_portable.pt2``: a ``torch.export`` program (dynamic batch), fp32;
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from serving.worker.portable_model import PortableScorer, to_state
+from recsys_model.portable_model import PortableScorer, to_state
 from training.errors import ConfigError
 from training.features import NUM_DENSE, SPARSE_NAMES, table_name
 
@@ -136,7 +137,7 @@ def save_portable(
 
 
 def _copy(scorer: PortableScorer) -> PortableScorer:
-    from serving.worker.portable_model import from_state
+    from recsys_model.portable_model import from_state
 
     return from_state(to_state(scorer), bags="scatter" if scorer.scatter else "embedding_bag")
 

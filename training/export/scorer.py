@@ -25,7 +25,7 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 from torchrec.models.dlrm import DLRM
 
-from training import checkpoint
+from training.checkpoint import store as checkpoint
 from training.config import Config, config_from_dict
 from training.errors import CheckpointError, ConfigError
 from training.features import SPARSE_NAMES, dense_transform, hash_values, pack_ids

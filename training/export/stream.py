@@ -3,7 +3,7 @@
 The default export (``formats``: ``int8``, ``fp16``, ``fp32``) never builds the model with its
 tables: the MLPs are read from the checkpoint into a :class:`PortableScorer` skeleton whose
 tables take no memory, then each table is read alone through DCP (resharded from whatever world
-size trained it) and written into every format's file (:class:`serving.worker.mapped.
+size trained it) and written into every format's file (:class:`recsys_model.mapped.
 TableWriter`) before the next is read. Peak memory: the largest table in fp32 plus its packed
 copies, instead of every format of every table at once (7x the fp32 tables measured before).
 
@@ -22,10 +22,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from recsys_model.mapped import TableWriter, load_mapped, save_dense
+from recsys_model.portable_model import PortableScorer
 from recsys_stack.progress import progress as progress_bar
-from serving.worker.mapped import TableWriter, load_mapped, save_dense
-from serving.worker.portable_model import PortableScorer
-from training import checkpoint
+from training.checkpoint import store as checkpoint
 from training.errors import CheckpointError
 from training.export.portable import EBC, copy_dense, spec_of
 from training.export.scorer import CHECKPOINT_PREFIX

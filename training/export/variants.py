@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from serving.worker.mapped import sha256
+from recsys_model.mapped import sha256
+from training.data.loader import Arrays
 from training.export.portable import PORTABLE, load_variant, portable_scorer, save_portable
 from training.export.scorer import eager_scorer, load_dlrm, raw_inputs, script_variant
 from training.export.stream import MAPPED_FORMATS, load_formats, write_mapped
-from training.loader import Arrays
 
 logger = logging.getLogger("training.export")
 # TorchRec's TorchScript files (the ``torchscript`` format): variant -> (file, precision)

@@ -3,7 +3,7 @@
 A terminal's Ctrl-C sends SIGINT to the whole foreground group: torchrun and every rank. Each
 rank turns the first SIGINT into one ``KeyboardInterrupt`` (a second one, torchrun passing the
 signal on, is ignored, so no traceback interrupts the first's handling); rank 0 prints the line
-(as a rank that lost its peers does, :mod:`training.peers`) and every rank exits with
+(as a rank that lost its peers does, :mod:`training.checkpoint.peers`) and every rank exits with
 :data:`EXIT_INTERRUPTED`. torchrun itself is started through :mod:`training.launch`, which
 exits quietly on the signal instead of printing its own traceback.
 """
@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 from types import FrameType
 
-from training import checkpoint
+from training.checkpoint import store as checkpoint
 from training.config import Config
 from training.errors import CheckpointError
 

@@ -1,5 +1,8 @@
 """The serving plan: which versions of a model are served, the default, and the traffic split.
 
+The file's format, read and written here, below every serving process: the gateway, TorchServe's
+config and the tools import it (the gateway's watcher of it is ``serving/gateway/plan_watcher.py``).
+
 One JSON file (``<serve workdir>/plan.json``) is the source of truth that every part reads:
 
 * ``make serve`` writes it with the run's version; ``make rollout`` / ``make rollback``
@@ -28,22 +31,25 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import logging
 import os
 import random
 import zipfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from serving.gateway.watched import WatchedFile
-
-if TYPE_CHECKING:  # the gateway's schema (numpy-free import here: TorchServe's config reads plans)
-    from serving.gateway.validate import Schema
+from typing import Any, Protocol
 
 PLAN_FILE = "plan.json"
-logger = logging.getLogger("serving.gateway.plan")
+
+
+class Contract(Protocol):
+    """A request contract: a plan's :class:`Version`, or the gateway's schema."""
+
+    @property
+    def dense(self) -> Sequence[str]: ...
+
+    @property
+    def sparse(self) -> Sequence[str]: ...
 
 
 class PlanError(ValueError):
@@ -295,7 +301,7 @@ def ordered(plan: Plan) -> Iterable[str]:
     yield from (v for v in plan.versions if v != plan.default)
 
 
-def differing(a: Version | Schema, b: Version | Schema, a_name: str, b_name: str) -> str:
+def differing(a: Contract, b: Contract, a_name: str, b_name: str) -> str:
     """The first difference between two request contracts, named: a feature one of them
     lacks, or the first position where their orders differ."""
     for kind in ("dense", "sparse"):
@@ -307,61 +313,3 @@ def differing(a: Version | Schema, b: Version | Schema, a_name: str, b_name: str
             i = next(i for i, (x, y) in enumerate(zip(fa, fb, strict=False)) if x != y)
             return f"{kind} features in another order: {fa[i]} vs {fb[i]} at position {i + 1}"
     return "the same features"
-
-
-class PlanWatcher:
-    """Re-reads the serving plan file when it changes (serving/gateway/watched.py: inode,
-    size, times and content); a plan that cannot be served here (unreadable, another model,
-    another request contract, a generation older than the one applied) is logged once and the
-    gateway keeps the plan it has."""
-
-    def __init__(self, path: Path, schema: Schema) -> None:
-        self.path = path
-        self.schema = schema
-        self._file = WatchedFile(path)
-        self.generation: int | None = None
-        """Generation of the last plan :meth:`load` returned (the one applied)."""
-
-    def check(self, p: Plan) -> Plan:
-        restart = "(start the gateway with the schema.json of the plan's model)"
-        if p.model != self.schema.model_name:
-            raise PlanError(
-                f"{self.path}: plans model {p.model}, but this gateway was started for "
-                f"{self.schema.model_name} {restart}"
-            )
-        if (p.dense, p.sparse) != (self.schema.dense, self.schema.sparse):
-            why = differing(p.versions[p.default], self.schema, "the plan", "the gateway schema")
-            raise PlanError(
-                f"{self.path}: {p.model}'s request contract differs from this gateway's: "
-                f"{why} {restart}"
-            )
-        return p
-
-    def load(self) -> Plan:
-        """The plan now in the file, checked for this gateway (:class:`PlanError` if it cannot
-        be served); :meth:`poll` returns nothing new until the file changes again."""
-        self._file.mark()  # before reading: a write meanwhile is seen by the next poll
-        p = self.check(load(self.path))
-        if self.generation is not None and p.generation < self.generation:
-            raise PlanError(
-                f"{self.path}: plan {p.generation} is older than plan {self.generation}, "
-                "applied already (a stale write)"
-            )
-        self.generation = p.generation
-        return p
-
-    def poll(self) -> Plan | None:
-        """The plan if the file changed since the last load (first call: always), else None."""
-        if not self._file.changed():
-            return None
-        try:
-            return self.load()
-        except PlanError as e:
-            logger.error("%s; still serving the plan loaded before", e)
-            return None
-
-
-def schema_plan(schema: Schema) -> Plan:
-    """The one-version plan of a schema (a gateway started without a plan file)."""
-    entry = Version("", schema.dense, schema.sparse)
-    return Plan(schema.model_name, schema.model_version, {schema.model_version: entry})

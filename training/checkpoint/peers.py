@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from training import checkpoint
+from training.checkpoint import store as checkpoint
 from training.errors import CheckpointError
 
 EXIT_PEER_LOST = 3

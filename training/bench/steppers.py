@@ -20,12 +20,12 @@ import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
 
-from training.checkpoint import Progress
+from training.checkpoint.store import Progress
 from training.config import Config
+from training.data.loader import Arrays, TrainStream
 from training.features import NUM_DENSE
-from training.loader import Arrays, TrainStream
-from training.loop import TrainLoop
-from training.metrics import MetricsLog
+from training.metrics.log import MetricsLog
+from training.step_loop import TrainLoop
 from training.trainer import build_trainer, make_pipeline
 
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch.distributed as dist
 
 from training.config import DataConfig
+from training.data.loader import Arrays
 from training.errors import DataError, RecsysError
 from training.features import NUM_SPARSE
-from training.loader import Arrays
 
 logger = logging.getLogger(__name__)
 

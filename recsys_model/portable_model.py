@@ -7,7 +7,7 @@ fbgemm wheel pinned to its torch) can rebuild, load and check the model
 (``python -m serving.tools.gpu_check``).
 
 Same signature and preprocessing as the TorchRec scorer (``training/export/scorer.py``): the
-very functions of :mod:`serving.worker.features`, which training's loader calls too.
+very functions of :mod:`recsys_model.features`, which training's loader calls too.
 
 * ``dense``   float32[B, 13]  raw values (missing = 0) -> ``log1p(max(x, 0))``
 * ``values``  int64[N]        raw ids, grouped by feature (schema order), then by example
@@ -34,7 +34,7 @@ from torch.nn import functional as F
 try:  # inside a TorchServe worker the archive's files sit side by side
     from features import dense_transform, hash_ids, hash_values  # type: ignore[import-not-found]
 except ImportError:
-    from serving.worker.features import dense_transform, hash_ids, hash_values
+    from recsys_model.features import dense_transform, hash_ids, hash_values
 
 BAG_MODES = ("embedding_bag", "scatter")
 

@@ -1,4 +1,5 @@
-"""Plot a run's learning curves: ``python -m training.plot runs/demo`` -> ``runs/demo/curves.png``.
+"""Plot a run's learning curves: ``python -m training.metrics.plot runs/demo`` ->
+``runs/demo/curves.png``.
 
 Left: training loss per logged step. Right: eval AUC against the oracle AUC (the Bayes limit,
 synthetic data only) and NE.
@@ -11,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from training.metrics import read_metrics
+from training.metrics.log import read_metrics
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
@@ -52,7 +53,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.plot", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m training.metrics.plot", description=__doc__)
     p.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
     p.add_argument("--out", type=Path, help="PNG path (default: <run_dir>/curves.png)")
     ns = p.parse_args(argv)

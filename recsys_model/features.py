@@ -1,8 +1,8 @@
 """The raw-feature transforms of the model: one definition, torch only, TorchScript-able.
 
 Every path from raw Criteo values to model inputs calls these functions: training's data loader
-(``training/loader.py``, through ``training.features``), the TorchRec artifact
-(``training/export/scorer.py``) and the portable scorer (``serving/worker/portable_model.py``).
+(``training/data/loader.py``, through ``training.features``), the TorchRec artifact
+(``training/export/scorer.py``) and the portable scorer (``recsys_model/portable_model.py``).
 Scripting or exporting a scorer compiles them into the artifact (a scripted model loads with
 torch alone); an eager scorer in a worker imports this file from beside the handler, so it
 imports nothing but torch. Shapes: ``B`` examples, ``D`` dense features, ``F`` sparse features

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.checkpoint import Progress
+from training.checkpoint.store import Progress
 from training.config import Config
-from training.loader import Arrays, eval_batches
-from training.loop import Window, mean_over_ranks
-from training.metrics import EvalMetrics, MetricsLog
+from training.data.loader import Arrays, eval_batches
+from training.metrics.log import EvalMetrics, MetricsLog
+from training.step_loop import Window, mean_over_ranks
 
 logger = logging.getLogger("training")
 

@@ -55,8 +55,8 @@ try:  # inside a TorchServe worker the archive's files sit side by side
     from features import hash_values  # type: ignore[import-not-found]
     from portable_model import PortableScorer  # type: ignore[import-not-found]
 except ImportError:
-    from serving.worker.features import hash_values
-    from serving.worker.portable_model import PortableScorer
+    from recsys_model.features import hash_values
+    from recsys_model.portable_model import PortableScorer
 
 FORMATS = ("int8", "fp16", "fp32")
 _DTYPES = {"fp16": torch.float16, "fp32": torch.float32}

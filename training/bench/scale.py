@@ -46,22 +46,22 @@ import torch
 from recsys_stack import config as shared
 from recsys_stack import logs
 from recsys_stack.net import free_ports
-from training.bench_scale_report import plot, table
+from training.bench.scale_report import plot, table
 from training.config import load_config
 from training.data.build import cpu_cores, preprocess
 from training.data.parts import PART_BYTES, plan_parts
 from training.data.synthetic import SyntheticSpec, generate
 from training.errors import RecsysError
-from training.metrics import read_metrics
+from training.metrics.log import read_metrics
 from training.train import parse_args, prepare
 
-logger = logging.getLogger("training.bench_scale")
+logger = logging.getLogger("training.bench.scale")
 ROOT = Path(__file__).resolve().parents[1]
 Stage = Literal["preprocess", "train"]
 EPILOG = """examples:
   make bench-scale SCALE_STAGES=training SCALE_TRAIN_ARGS='--rows 1000000'
-  python -m training.bench_scale --stages preprocess --repeats 5
-  python -m training.bench_scale --topologies 1x2 --train-overrides train.pipeline=base
+  python -m training.bench.scale --stages preprocess --repeats 5
+  python -m training.bench.scale --topologies 1x2 --train-overrides train.pipeline=base
 
 Run it alone on the machine: other load changes every figure (the JSON records the load
 average before and after)."""
@@ -70,7 +70,7 @@ EVAL_FRACTION = 0.01  # held out by the training runs: their final evaluation is
 
 @dataclass
 class TrainScaleConfig:
-    """``python -m training.bench_scale`` (``make bench-scale``)."""
+    """``python -m training.bench.scale`` (``make bench-scale``)."""
 
     rows: int = 3_000_000
     """Synthetic Kaggle-shaped rows to preprocess and train on."""
@@ -337,11 +337,11 @@ def run(cfg: TrainScaleConfig) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point (``make bench-scale``)."""
     logs.configure(fmt="%(message)s")
-    for name in ("training.data", "training.data_prep"):  # our own line per run says it
+    for name in ("training.data", "training.data.prep"):  # our own line per run says it
         logging.getLogger(name).setLevel(logging.WARNING)
     doc = __doc__.replace("``", "").replace("**", "")
     raw = argparse.RawDescriptionHelpFormatter  # the docstring's list as written
-    parser = shared.config_parser(TrainScaleConfig, "python -m training.bench_scale", doc,
+    parser = shared.config_parser(TrainScaleConfig, "python -m training.bench.scale", doc,
                                   epilog=EPILOG, formatter_class=raw)  # fmt: skip
     try:
         cfg = shared.from_args(TrainScaleConfig, parser.parse_args(argv))

@@ -2,8 +2,8 @@
 
 :class:`Checkpointer` owns the schedule (``should_save`` every ``train.checkpoint_every`` steps
 and at the end) and the stateful pieces a checkpoint restores: the trainer's model and
-optimizer state and the :class:`~training.checkpoint.Progress` that the data stream resumes
-from. The on-disk format lives in :mod:`training.checkpoint`.
+optimizer state and the :class:`~training.checkpoint.store.Progress` that the data stream resumes
+from. The on-disk format lives in :mod:`training.checkpoint.store`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from training import checkpoint
-from training.checkpoint import Progress
+from training.checkpoint import store as checkpoint
+from training.checkpoint.store import Progress
 from training.config import Config
+from training.data.loader import ReadLedger
 from training.features import SPARSE_NAMES, table_name
-from training.loader import ReadLedger
 from training.trainer import Trainer
 
 logger = logging.getLogger("training")

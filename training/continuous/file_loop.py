@@ -31,19 +31,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training import checkpoint
-from training.checkpointer import Checkpointer
+from training.checkpoint import store as checkpoint
+from training.checkpoint.checkpointer import Checkpointer
 from training.config import config_to_dict
 from training.continuous import inbox
 from training.continuous.config import ContinuousArgs, ContinuousConfig
 from training.continuous.inbox import FileRecord, Ledger
 from training.continuous.publish import on_rank0, publish, run_id
+from training.data.loader import Arrays, TrainStream
 from training.errors import DataError, RecsysError
-from training.evaluator import evaluate
-from training.loader import Arrays, TrainStream
-from training.metrics import MetricsLog, read_metrics
-from training.tb import Scalars
-from training.tb import for_run as scalars_for_run
+from training.metrics.evaluator import evaluate
+from training.metrics.log import MetricsLog, read_metrics
+from training.metrics.tb import Scalars
+from training.metrics.tb import for_run as scalars_for_run
 from training.train import make_loop
 from training.trainer import Trainer, build_trainer, unwrapped_model
 

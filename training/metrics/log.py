@@ -16,7 +16,7 @@ from torchrec.metrics.metrics_config import RecComputeMode, RecTaskInfo
 from torchrec.metrics.ne import NEMetric
 
 from recsys_stack.metrics import roc_auc
-from training.tb import Scalars
+from training.metrics.tb import Scalars
 
 TASK = RecTaskInfo(
     name="ctr", label_name="label", prediction_name="prediction", weight_name="weight"

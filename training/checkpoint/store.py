@@ -22,7 +22,7 @@ Loading goes through DCP, which reshards onto whatever world size and plan the r
 has. One state TorchRec does not reshard by itself: the row-wise Adagrad accumulator of a
 column-sharded table is stored per column shard (``rows * shards`` values). It is converted
 here through its canonical per-row form (the width-weighted mean over column shards, which is
-exactly the accumulator a full-row table would have), in :mod:`training.rowwise`.
+exactly the accumulator a full-row table would have), in :mod:`training.checkpoint.rowwise`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from training import rowwise
+from training.checkpoint import rowwise
 from training.errors import CheckpointError
 
 logger = logging.getLogger(__name__)

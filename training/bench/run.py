@@ -21,7 +21,7 @@ them alike) needs three long-lived steppers instead. The trainer stepper therefo
 real pieces (``build_trainer``, ``make_pipeline``, ``TrainStream``) and calls the very
 ``TrainLoop.step`` that ``train()`` runs, bookkeeping included.
 
-The steppers are in :mod:`training.bench_steppers`; this module measures and reports.
+The steppers are in :mod:`training.bench.steppers`; this module measures and reports.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ import torch.distributed as dist
 from recsys_stack import config as shared
 from recsys_stack import logs
 from recsys_stack.progress import progress as progress_bar
-from training.bench_steppers import CeilingStepper, PlainStepper, TrainerStepper
+from training.bench.steppers import CeilingStepper, PlainStepper, TrainerStepper
 from training.config import Config, load_config, table_keys_help
-from training.data_prep import prepare_data
+from training.data.loader import make_batch
+from training.data.prep import prepare_data
 from training.errors import ConfigError, DataError, RecsysError
-from training.loader import make_batch
 from training.train import setup_distributed
 
 logger = logging.getLogger("training.bench")

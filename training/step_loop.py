@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training.checkpoint import Progress
+from training.checkpoint.store import Progress
 from training.errors import DataError
-from training.metrics import MetricsLog
+from training.metrics.log import MetricsLog
 
 
 def mean_over_ranks(value: float) -> float:

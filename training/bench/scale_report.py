@@ -1,4 +1,4 @@
-"""The text table and the PNG of ``python -m training.bench_scale`` (its JSON result in, no
+"""The text table and the PNG of ``python -m training.bench.scale`` (its JSON result in, no
 measuring here)."""
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Written with ``torch.utils.tensorboard`` by rank 0 only and flushed after every write, so a
 run killed at any point leaves what it had logged readable. A run that resumes at step ``s``
 opens its writer with ``purge_step = s + 1``: TensorBoard drops the events a killed run wrote
-past its checkpoint, like ``metrics.jsonl`` (:meth:`training.metrics.MetricsLog.truncate_after`).
+past its checkpoint, like ``metrics.jsonl``
+(:meth:`training.metrics.log.MetricsLog.truncate_after`).
 
 Tags: ``train/loss`` (every ``train.log_every`` steps), ``eval/auc``, ``eval/ne``,
 ``eval/samples_per_sec``, ``eval/train_loss`` (and ``eval/oracle_auc`` on synthetic data) at

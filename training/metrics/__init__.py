@@ -1,0 +1,7 @@
+"""What a training run measures and records: read by people, plots and the continuous loop.
+
+:mod:`~training.metrics.log` (AUC and NE over all ranks, the ``metrics.jsonl`` log),
+:mod:`~training.metrics.evaluator` (held-out evaluation: when, and on which rows),
+:mod:`~training.metrics.tb` (TensorBoard scalars), :mod:`~training.metrics.plot` (the learning
+curves, ``python -m training.metrics.plot RUN``).
+"""
