@@ -1,4 +1,4 @@
-"""The README's frozen-model recipe (continuous learning, "A run.") works for any preset as
+"""docs/operating.md's frozen-model recipe (continuous learning, "A run.") works for any preset as
 printed: its commands run here on the tiny preset (smaller days, in a scratch folder), and the
 day-0 checkpoint it scores from survives the fresh run's ``train.keep_last`` pruning."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, VENV_BIN, _env
-from training.checkpoint import check_compatible, complete_checkpoints, is_complete
+from training.checkpoint.store import check_compatible, complete_checkpoints, is_complete
 from training.errors import CheckpointError
 
 pytestmark = pytest.mark.slow
-README = (ROOT / "README.md").read_text()
+README = (ROOT / "docs" / "operating.md").read_text()  # the guide that holds the recipe
 # what the recipe's commands read relative to the repository root
 LINKED = ("Makefile", "training", "serving", "recsys_stack", "requirements", "pyproject.toml")
 
