@@ -9,6 +9,7 @@ the tables, not the worker, show in the memory figures. Full-size figures: ``mak
 from __future__ import annotations
 
 import json
+import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,7 +93,15 @@ def test_two_workers_share_one_copy_of_the_tables(
     assert size == 26 * ROWS * (8 + 8)
     ts = next(p for p in psutil.process_iter(["cmdline"]) if str(replica.workdir) in " ".join(
         p.info["cmdline"] or []) and "java" in (p.info["cmdline"] or [""])[0])  # fmt: skip
-    found = [mapping(w.pid, "tables_int8.bin") for w in workers(ts)]
+    # the fixture returns once one worker is READY: wait (generously) for both to map it all
+    deadline = time.monotonic() + 180
+    while True:
+        found = [mapping(w.pid, "tables_int8.bin") for w in workers(ts)]
+        if len(found) == 2 and all(rss >= 0.95 * size for rss, _ in found):
+            break
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     print(f"tables {size >> 20} MiB; per worker (Rss, Pss) MiB: "
           f"{[(r >> 20, p >> 20) for r, p in found]}")  # fmt: skip
     assert len(found) == 2
