@@ -84,6 +84,12 @@ class Plan:
     is in rotation: a replica loading a new version, whose CPU is busy."""
     generation: int = 0
 
+    @property
+    def kept(self) -> str:
+        """The previous default while it is still in the plan, kept loaded for rollback ("")."""
+        prev = self.previous
+        return prev if prev and prev != self.default and prev in self.versions else ""
+
     def __post_init__(self) -> None:
         if not self.model:
             raise PlanError("plan: no model name")

@@ -83,11 +83,6 @@ def survey(workdir: Path) -> tuple[dict[str, int], list[str]]:
     return alive, notes
 
 
-def running(workdir: Path) -> dict[str, int]:
-    """The recorded processes still alive (their identity matching), by name."""
-    return survey(workdir)[0]
-
-
 def still_ours(workdir: Path, name: str) -> bool:
     """Checked again right before a signal: the pid may have been freed since the survey."""
     return any(r.name == name and r.verdict() == "ours" for r in recorded(workdir))

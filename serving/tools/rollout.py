@@ -65,7 +65,6 @@ from serving.tools.evaldata import Window, file_window, model_window, refusal
 from serving.tools.served import Gateway, RolloutError, Stack
 from serving.tools.state import WORKDIR, WORKDIR_ENV
 from serving.tools.versions import (
-    kept_version,
     register_everywhere,
     release_previous,
     say,
@@ -229,7 +228,7 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
     if not cfg.version and not cfg.rollback:
         gw = Gateway(stack)
         try:
-            if not kept_version(plan):
+            if not plan.kept:
                 say(f"nothing kept loaded besides v{old}: which version? --version")
             plan = release_previous(plan, cfg, stack, gw)
         finally:
@@ -261,7 +260,7 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
             if why := canary.misfit(base):
                 say(f"refused: v{old} (the default) {why}; nothing changed")
                 return report
-        if not cfg.rollback and target != kept_version(plan):
+        if not cfg.rollback and target != plan.kept:
             plan = release_previous(plan, cfg, stack, gw)
         say(f"[1/6] register {mar} on {len(stack.replicas)} replica(s)")
         plan = register_everywhere(plan, target, mar, stack, gw, cfg.timeout_s)

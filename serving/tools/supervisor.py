@@ -339,11 +339,10 @@ def status(workdir: Path, client: ChannelConfig | None = None) -> tuple[int, str
     if state.get("plan"):
         try:
             p = plan_io.load(Path(state["plan"]))
-            kept = p.previous in p.versions and p.previous != p.default  # rollout.py
             lines.append(
                 f"plan {p.generation}: default v{p.default}, traffic "
                 f"{p.traffic or {p.default: 100}}, previous {p.previous or '-'}"
-                + (" (kept loaded for rollback)" if kept else "")
+                + (" (kept loaded for rollback)" if p.kept else "")
             )
         except plan_io.PlanError as e:
             lines.append(str(e))

@@ -78,17 +78,11 @@ def withdraw(plan: Plan, version: str, cfg: Timing, stack: Stack, gw: Gateway) -
     return plan
 
 
-def kept_version(plan: Plan) -> str:
-    """The previous default while it is still in the plan, kept loaded for rollback ("")."""
-    prev = plan.previous
-    return prev if prev and prev != plan.default and prev in plan.versions else ""
-
-
 def release_previous(plan: Plan, cfg: Timing, stack: Stack, gw: Gateway) -> Plan:
     """Withdraw and unregister the kept previous default once ``keep_previous_s`` has passed
     since its rollout kept it (TorchServe has no expiry of its own: rollout commands do this);
     one kept with no record of when is released at once."""
-    if not (kept := kept_version(plan)):
+    if not (kept := plan.kept):
         return plan
     since = state.kept_since(cfg.workdir, kept)
     left = 0.0 if since is None else since + cfg.keep_previous_s - time.time()
