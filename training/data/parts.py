@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from recsys_stack.criteo_rows import EMPTY_LINE
 from training.data.criteo import (
     MAX_EXAMPLES,
     BadRow,
@@ -43,7 +44,7 @@ from training.errors import DataError
 
 PART_BYTES = 64 << 20
 ARRAYS = ("labels", "dense", "sparse")
-_EMPTY = ("field count", "empty line, expected 40 fields")
+_EMPTY = ("field count", EMPTY_LINE)  # the wording every reader uses (recsys_stack)
 
 
 @dataclass(frozen=True)
