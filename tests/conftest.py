@@ -5,15 +5,26 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
+from recsys_stack.net import PORT_RANGE_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
+
+# Under pytest-xdist (make test), each worker and what it starts take free ports from a range
+# of their own, below the kernel's ephemeral range (recsys_stack/net.py): one worker's stack
+# can never take a port another has chosen but not bound yet.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and _WORKER[2:].isdigit():
+    _first = 20_000 + 1_500 * int(_WORKER[2:])
+    os.environ.setdefault(PORT_RANGE_ENV, f"{_first}-{_first + 1_499}")
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -94,10 +105,19 @@ def run_make(
     return proc
 
 
+def _shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder every worker of this session sees: the session's temp root under
+    pytest-xdist (each worker's own basetemp is a folder in it), else the basetemp itself."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def data_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """Overrides that put synthetic data and binary caches in one session-wide temp folder."""
-    base = tmp_path_factory.mktemp("data")
+    """Overrides that put synthetic data and binary caches in one session-wide temp folder,
+    shared by all pytest-xdist workers (concurrent runs wait for the first one to build a
+    dataset, then reuse it: training/data/prep.py's locks)."""
+    base = _shared_root(tmp_path_factory) / "data"
     return [f'data.cache_dir="{base / "cache"}"', f'data.synthetic_dir="{base / "synthetic"}"']
 
 
@@ -122,19 +142,61 @@ def run_export(args: list[str], check: bool = True) -> subprocess.CompletedProce
     return proc
 
 
-@pytest.fixture(scope="session")
-def trained(tmp_path_factory: pytest.TempPathFactory, data_dirs: list[str]) -> Path:
-    run = tmp_path_factory.mktemp("exp_run")
-    run_train([*EXPORT_TINY, "--run-dir", str(run), *data_dirs, *SHARDED], nproc=2)
-    return run
+def built_once(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], str]
+) -> tuple[Path, str]:
+    """``build(folder)`` run once per test session, whatever the number of pytest-xdist
+    workers: the first worker to ask builds it under a file lock, the others wait and read
+    the result. (folder, the text ``build`` returned). A build that failed fails every asker
+    with its message (tests must not take half a build for a whole one)."""
+    from filelock import FileLock
+
+    folder = _shared_root(tmp_path_factory) / f"shared-{name}"
+    done, failed = folder.with_suffix(".done"), folder.with_suffix(".failed")
+    with FileLock(str(folder.with_suffix(".lock"))):
+        if not done.exists() and not failed.exists():
+            folder.mkdir()
+            try:
+                done.write_text(build(folder))
+            except BaseException as e:
+                failed.write_text(f"{type(e).__name__}: {e}")
+                raise
+    if failed.exists():
+        raise AssertionError(
+            f"the shared build {name!r} failed in another worker:\n{failed.read_text()[-4000:]}"
+        )
+    return folder, done.read_text()
 
 
-@pytest.fixture(scope="session")
-def exported(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
-    store = tmp_path_factory.mktemp("store")
-    proc = run_export(["--run-dir", str(trained), "--model-store", str(store), "--version", "1.0"])
+def _train_and_export(folder: Path, data: list[str]) -> str:
+    """The tiny model trained on 2 ranks (C1 column-wise), then exported as version 1.0 into
+    its own model store: ``folder/run``, ``folder/store``; the export's stdout. Built as one
+    step so that no test copies the run while its export is being written."""
+    run, store = folder / "run", folder / "store"
+    run_train([*EXPORT_TINY, "--run-dir", str(run), *data, *SHARDED], nproc=2)
+    proc = run_export(["--run-dir", str(run), "--model-store", str(store), "--version", "1.0"])
     assert not third_party_noise(proc.stdout + proc.stderr), third_party_noise(proc.stderr)[:10]
-    return trained / "export", store, proc.stdout
+    return proc.stdout
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory: pytest.TempPathFactory, data_dirs: list[str]) -> tuple[Path, str]:
+    """:func:`_train_and_export`, once per session (shared by all workers)."""
+    return built_once(tmp_path_factory, "tiny", lambda d: _train_and_export(d, data_dirs))
+
+
+@pytest.fixture(scope="session")
+def trained(tiny_export: tuple[Path, str]) -> Path:
+    """The tiny trained run (read only: tests copy it to change it)."""
+    return tiny_export[0] / "run"
+
+
+@pytest.fixture(scope="session")
+def exported(tiny_export: tuple[Path, str]) -> tuple[Path, Path, str]:
+    """(the tiny run's export folder, its model store holding dlrm-tiny-1.0.mar, the export's
+    stdout)."""
+    folder, stdout = tiny_export
+    return folder / "run" / "export", folder / "store", stdout
 
 
 # The formats the portable tests ask for besides the default's: without fp16, so the portable
@@ -148,15 +210,17 @@ def exported_portable(
 ) -> tuple[Path, Path, str]:
     """Like ``exported``, of a copy of the run, with the portable formats asked for
     (``--formats``): TorchScript fp32/fp16 + ``portable_state.pt``, the pt2 program, ONNX."""
-    import shutil
 
-    base = tmp_path_factory.mktemp("portable")
-    run = base / "run"  # a copy: exporting writes <run>/export, which ``exported`` reads
-    shutil.copytree(trained, run, ignore=shutil.ignore_patterns("export", ".export*"))
-    store = base / "store"
-    proc = run_export(
-        ["--run-dir", str(run), "--model-store", str(store), "--version", "1.0",
-         "--formats", PORTABLE_FORMATS]
-    )  # fmt: skip
-    assert not third_party_noise(proc.stdout + proc.stderr), third_party_noise(proc.stderr)[:10]
-    return run / "export", store, proc.stdout
+    def build(base: Path) -> str:
+        run = base / "run"  # a copy: exporting writes <run>/export, which ``exported`` reads
+        shutil.copytree(trained, run, ignore=shutil.ignore_patterns("export", ".export*"))
+        proc = run_export(
+            ["--run-dir", str(run), "--model-store", str(base / "store"), "--version", "1.0",
+             "--formats", PORTABLE_FORMATS]
+        )  # fmt: skip
+        noise = third_party_noise(proc.stdout + proc.stderr)
+        assert not noise, noise[:10]
+        return proc.stdout
+
+    base, stdout = built_once(tmp_path_factory, "portable", build)
+    return base / "run" / "export", base / "store", stdout
