@@ -177,8 +177,11 @@ bench-scale: setup  ## export/serving vs table size (SCALE_ARGS), preprocessing 
 	$(if $(filter serving,$(SCALE_STAGES)),$(PY) -m serving.bench.scale $(SCALE_ARGS))
 	$(if $(filter training,$(SCALE_STAGES)),$(PY) -m training.bench.scale $(SCALE_TRAIN_ARGS))
 
+# The suite in TEST_WORKERS parallel pytest-xdist workers (most tests wait on processes they
+# started: TorchServe, torchrun, Locust); TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 3
 test: test-deps setup  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) $(PYTEST_ARGS)
 
 # System tools the suite runs for real: docker-compose (tests/deploy validates the compose file
 # with `docker-compose config`, no engine needed), prometheus (it scrapes the live stack) and gcc
@@ -203,3 +206,23 @@ fmt: setup
 
 clean:  ## remove runs and caches (not the venv)
 	rm -rf runs data/cache data/synthetic .pytest_cache
+
+# Container images (docs/deploy.md, "Building the images with podman"): podman builds every
+# image docker-compose.yml names from docker/Dockerfile, tagged as compose names them, on a
+# machine with no image registry too (the base then comes from Debian packages: base-image).
+IMAGE_TAG ?= latest
+IMAGE_TARGETS ?= trainer torchserve gateway locust
+IMAGE_BASE ?=
+TORCH_INDEX ?= auto
+MIRROR ?=
+IMAGE_ENV = IMAGE_TAG='$(IMAGE_TAG)' IMAGE_TARGETS='$(IMAGE_TARGETS)' IMAGE_BASE='$(IMAGE_BASE)' \
+	TORCH_INDEX='$(TORCH_INDEX)' MIRROR='$(MIRROR)' $(if $(filter command line,$(origin FBGEMM)),FBGEMM='$(FBGEMM)')
+.PHONY: container-deps base-image images
+container-deps:  ## install podman, runc, debootstrap, docker-compose (apt) and podman's /etc/containers/containers.conf
+	@bash docker/build_images.sh deps
+
+base-image:  ## the Python base without a registry: debootstrap -> localhost/debian-min:bookworm -> localhost/recsys-python:3.11
+	@$(IMAGE_ENV) nice -n 10 bash docker/build_images.sh base
+
+images:  ## podman-build every compose image (IMAGE_TARGETS, tag IMAGE_TAG; IMAGE_BASE: python:3.11-slim or the local base), check and list sizes
+	@$(IMAGE_ENV) nice -n 10 bash docker/build_images.sh images
