@@ -66,6 +66,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
                 else:
                     port = next(order, None)
                     if port is None:
+                        assert within is not None
                         raise OSError(
                             f"no {n} free ports on {host} in {PORT_RANGE_ENV}="
                             f"{within[0]}-{within[-1]}: widen it or stop what holds them"

@@ -224,3 +224,16 @@ def exported_portable(
 
     base, stdout = built_once(tmp_path_factory, "portable", build)
     return base / "run" / "export", base / "store", stdout
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """A short temp root when the suite runs in xdist workers and none was given: each worker's
+    folder (``popen-gwN``) adds a level under ``/tmp/pytest-of-<user>/pytest-<n>``, and the
+    TorchServe workdirs under it must stay short enough for its AF_UNIX sockets
+    (serving/torchserve/process.py refuses deeper ones)."""
+    import tempfile
+
+    workers = getattr(config.option, "numprocesses", None)
+    if workers and config.option.basetemp is None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="rs-")

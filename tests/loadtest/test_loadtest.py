@@ -151,7 +151,7 @@ def test_step_load_finds_a_knee_and_calibration_names_the_bottleneck(
     assert doc["knee"]["users"] == best["users"] and doc["knee"]["rps"] == best["rps"]
     assert f"at {best['users']} users" in proc.stdout
     cal = tmp_path / "cal"
-    proc = _loadtest("--host", gateway, "--data", str(rows_tsv), "-u", "2", "-r", "2", "-t", "3s",
+    proc = _loadtest("--host", gateway, "--data", str(rows_tsv), "-u", "2", "-r", "2", "-t", "8s",
                      "--calibrate", "--out", str(cal))  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     s = json.loads((cal / "summary.json").read_text())
