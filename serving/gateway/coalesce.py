@@ -18,7 +18,8 @@ per example (see docs/architecture.md), so the gateway merges what arrives while
 - Validation happens before a request gets here: nothing invalid joins a batch.
 
 Shapes: ``B`` examples, ``F`` sparse features, ``N`` ids; ``values`` are grouped feature-major
-(all ids of feature 0, then feature 1, ...), as in the artifact's signature.
+(all ids of feature 0, then feature 1, ...), as in the artifact's signature; members are joined
+by ``serving.worker.codec.merge`` (the worker joins a TorchServe batch with it too).
 """
 
 from __future__ import annotations
@@ -32,11 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from serving.gateway import metrics
+from serving.worker.codec import Arrays, merge
 
 logger = logging.getLogger("serving.gateway.coalesce")
-Arrays = tuple[
-    np.ndarray, np.ndarray, np.ndarray
-]  # dense f32[B,D], values i64[N], lengths i32[F,B]
 # (merged arrays, time remaining or None) -> (scores f32[B], backend that answered); a reply
 # with another number of scores must raise (ScoreCountError), never return
 Send = Callable[[Arrays, float | None], Awaitable[tuple[np.ndarray, str]]]
@@ -53,37 +52,6 @@ class ScoreCountError(ValueError):
 # merges of more array bytes than this run in a thread: health checks and refusals keep
 # flowing on the event loop while megabytes are copied
 OFFLOAD_BYTES = 1 << 20
-# up to this many parts, ids are merged by slicing (parts x features copies); beyond, by one
-# stable sort of all ids by feature (many small requests: few ids, many slices)
-SLICE_PARTS = 8
-
-
-def merge(parts: Sequence[Arrays]) -> Arrays:
-    """Concatenate encoded batches: dense and lengths along B, ids kept feature-major.
-
-    Within each feature, the ids of part 0 come first, then part 1's, ...; no loop over
-    examples. A few large parts are merged by copying each part's slice of each feature (a
-    sort of millions of ids would hold the event loop for a few hundred ms); many small ones
-    by a stable sort of all ids by feature.
-    """
-    if len(parts) == 1:
-        return parts[0]
-    dense = np.concatenate([p[0] for p in parts], axis=0)
-    lengths = np.concatenate([p[2] for p in parts], axis=1)
-    n_features = lengths.shape[0]
-    per_feature = [p[2].sum(axis=1, dtype=np.int64) for p in parts]
-    if len(parts) <= SLICE_PARTS:
-        ends = [np.cumsum(n) for n in per_feature]
-        pieces = [
-            p[1][e[f] - n[f] : e[f]]
-            for f in range(n_features)
-            for p, e, n in zip(parts, ends, per_feature, strict=True)
-        ]
-        return dense, np.concatenate(pieces), lengths
-    values = np.concatenate([p[1] for p in parts])
-    feature = np.concatenate([np.repeat(np.arange(n_features), n) for n in per_feature])
-    order = np.argsort(feature, kind="stable")
-    return dense, values[order], lengths
 
 
 def split(scores: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:

@@ -2,9 +2,10 @@
 
 The request's ids are the bulk of its bytes (a 1,000-example request of 26 features: ~130 KB of
 varints). :func:`varints` decodes them with a fixed number of array operations whatever the mix
-of sizes; a few hundred bytes are cheaper byte by byte in Python (:func:`_decode_small`: the
-vectorized pass is ~20 numpy calls, and for small requests the count of calls is the cost).
-Both give the same values as protobuf (tests/serving/test_wire.py compares them).
+of sizes, the same values as protobuf (tests/serving/test_wire.py compares them). This is the
+fallback of the gateway's C walk (``serving.gateway._fastwire``, built wherever there is a
+compiler): it has to be right, not as fast. :func:`read_varint` reads a single varint (a tag, a
+length).
 """
 
 from __future__ import annotations
@@ -29,11 +30,6 @@ _PACK = [
 ]
 # by varint size: the bits its own bytes carry (9 and 10 bytes: the first 8 here, the rest apart)
 _LOW = np.array([0] + [(1 << 7 * k) - 1 for k in range(1, 9)] + [(1 << 56) - 1] * 2, np.uint64)
-
-
-_U64_MAX = (1 << 64) - 1
-# fields of at most this many bytes (all ids or all lengths of a request) are decoded in Python
-SMALL_BYTES = 512
 
 
 def read_varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -106,23 +102,13 @@ def _unpack(padded: np.ndarray, last: np.ndarray, n: int) -> np.ndarray | None:
 
 def decode_fields(fields: list[bytes | memoryview]) -> tuple[np.ndarray, np.ndarray] | None:
     """Several packed-varint fields -> (values i64, values per field); None when a field does
-    not end on a complete varint or holds one over 10 bytes. A few hundred bytes are decoded
-    in Python (:func:`_decode_small`), more in one vectorized pass (:func:`_decode_packed`)."""
+    not end on a complete varint or holds one over 10 bytes; one vectorized pass whatever the
+    size."""
     raw = b"".join([*fields, _PAD])  # the zeros the vectorized pass reads past the end
     n = len(raw) - len(_PAD)
     if raw.isascii():  # every value < 128 (lengths, as a rule): nothing to decode
         sizes = np.fromiter(map(len, fields), np.int64, len(fields))
         return np.frombuffer(raw, np.uint8, n).astype(np.int64), sizes
-    if n <= SMALL_BYTES:
-        return _decode_small(fields)
-    return _decode_packed(fields, raw, n)
-
-
-def _decode_packed(
-    fields: list[bytes | memoryview], raw: bytes, n: int
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """:func:`decode_fields` in one vectorized pass over ``raw``: the fields joined (``n``
-    bytes), then :data:`_PAD`."""
     if any(f[-1] >= 0x80 for f in fields if len(f)):
         return None  # a field's last byte continues a varint: malformed on its own
     padded = np.frombuffer(raw, np.uint8)
@@ -135,26 +121,3 @@ def _decode_packed(
     per_field = np.searchsorted(last, ends, side="right")
     per_field[1:] -= per_field[:-1].copy()
     return values.view(np.int64), per_field
-
-
-def _decode_small(fields: list[bytes | memoryview]) -> tuple[np.ndarray, np.ndarray] | None:
-    """:func:`decode_fields` byte by byte: for small requests, a Python loop costs less than
-    the vectorized pass's ~20 numpy calls. Same values (a 10th byte adds its lowest bit)."""
-    values: list[int] = []
-    counts = []
-    for f in fields:
-        before = len(values)
-        value = shift = 0
-        for byte in f:
-            value |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                values.append(value & _U64_MAX)
-                value = shift = 0
-            elif shift == 63:
-                return None  # an 11th byte
-            else:
-                shift += 7
-        if shift:
-            return None  # the field ends inside a varint
-        counts.append(len(values) - before)
-    return np.array(values, np.uint64).view(np.int64), np.array(counts, np.int64)

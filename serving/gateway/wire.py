@@ -5,10 +5,10 @@ of 1,000 examples x 64 ids x 26 features is 1.7 million ints); this module reads
 encoding directly: the packed ``dense`` floats are one ``np.frombuffer``, and the packed varints
 of every feature's ``ids`` and ``lengths`` are gathered into one byte array each and decoded in
 one vectorized pass (``serving.gateway.varint``). Python only walks the ~30 fields of the
-message; a small request as clients send it is checked and decoded in one more Python pass
-(:func:`_small`) and a handful of numpy calls. A feature's ids and lengths may each also come unpacked, one field per value (legal protobuf,
-what proto2-style writers emit): the run of fields is read in one vectorized pass too (one
-field per id once cost 16x the packed request, 129 ms of CPU for 3.4 MB, in protobuf's objects).
+message. A feature's ids and lengths may each also come unpacked, one field per value (legal
+protobuf, what proto2-style writers emit): the run of fields is read in one vectorized pass too
+(one field per id once cost 16x the packed request, 129 ms of CPU for 3.4 MB, in protobuf's
+objects).
 Anything else (unknown fields, fields split in several pieces or out of order, a truncated or
 malformed buffer) returns ``None``, and the caller takes protobuf's own parser instead: this
 module is a fast path with protobuf as its reference, never a second opinion on what is valid
@@ -20,9 +20,11 @@ two million empty features once cost 4.6 s of CPU here), on the fast path and be
 objects are walked on the slow one. Shapes: ``B`` examples, ``D`` dense, ``F`` sparse features, ``N`` ids.
 
 The walk and the varints have a native twin, ``serving.gateway._fastwire`` (C, built by
-``pip install`` when a compiler is there): :func:`columns_of` takes it when it is built, and
-this module's numpy path otherwise; both give the same answer for every input (tests compare
-them on random, crafted and fuzzed bytes).
+``pip install`` when a compiler is there, as in the gateway's image): :func:`columns_of` takes
+it when it is built, and this module's numpy path otherwise (a fallback: right, not as fast;
+the C walk also runs the value checks of ``serving.gateway.validate`` that need no names, so
+that a clean request skips them). Both give the same answer for every input (tests compare them
+on random, crafted and fuzzed bytes).
 
 The other messages of a call skip protobuf's objects too: :func:`score_response` writes the
 ``ScoreResponse`` bytes, :func:`prediction_of` slices TorchServe's answer out of its
@@ -45,7 +47,7 @@ from serving.gateway.validate import (
     columns,
     validate_columns,
 )
-from serving.gateway.varint import SMALL_BYTES, decode_fields, read_varint
+from serving.gateway.varint import decode_fields, read_varint
 from serving.stubs import ranker_pb2
 from serving.torchserve.client import field_head, inference_pb2
 from serving.worker.codec import Arrays
@@ -233,8 +235,6 @@ def decode_score_request(buf: bytes, schema: Schema, limits: Limits) -> tuple[Ar
                 return (cols.dense.reshape(b, len(schema.dense)), cols.ids, lengths), version
     else:
         parsed = parse(buf, features)
-        if parsed is not None and (small := _small(parsed, schema, limits)) is not None:
-            return small, parsed[3]
         cols = None if parsed is None else _columns(parsed)
         version = "" if parsed is None else parsed[3]
     if cols is None:  # not the canonical encoding: protobuf decides
@@ -288,45 +288,6 @@ def _native(
         entries=np.frombuffer(entries, np.int64),
     )
     return cols, version, clean
-
-
-def _small(parsed: Parsed, schema: Schema, limits: Limits) -> Arrays | None:
-    """The model's arrays of a small valid request sent as clients send them (every feature,
-    in schema order, one-byte lengths), checked and decoded in one Python pass with a handful of
-    numpy calls; None for anything else, valid or not (the general path then decides and names
-    what is wrong: this one never refuses). Same arrays as the general path."""
-    b, dense, features, _ = parsed
-    d, f = len(schema.dense), len(schema.sparse)
-    if not 1 <= b <= limits.max_examples or dense.size != b * d or len(features) != f:
-        return None
-    if sum(len(x[1]) for x in features) > SMALL_BYTES:
-        return None
-    ids: list[int] = []
-    lengths = []
-    for (name, id_bytes, length_bytes), expected in zip(features, schema.sparse, strict=True):
-        if name != expected or len(length_bytes) != b:
-            return None
-        before = len(ids)
-        value = shift = 0
-        for byte in id_bytes:
-            value |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                ids.append(value)
-                value = shift = 0
-            elif shift == 63:
-                return None
-            else:
-                shift += 7
-        if shift or sum(length_bytes) != len(ids) - before:  # a cut varint; counts that differ
-            return None
-        lengths.append(length_bytes)
-    raw = b"".join(lengths)
-    if not raw.isascii() or (raw and max(raw) > limits.max_ids_per_feature):
-        return None  # a length of several bytes (negative, or over the limit)
-    if (ids and max(ids) >= 1 << 63) or not np.isfinite(dense).all():  # a negative id
-        return None
-    lengths_i32 = np.frombuffer(raw, np.uint8).astype(np.int32).reshape(f, b)
-    return dense.reshape(b, d), np.array(ids, np.int64), lengths_i32
 
 
 def peek_examples(buf: bytes) -> int:
@@ -386,14 +347,11 @@ def prediction_of(reply: bytes) -> bytes:
     """The ``prediction`` of a serialized ``PredictionResponse``: sliced from the bytes when it
     is their only field (TorchServe's answers), else read by protobuf."""
     if reply[:1] == b"\x0a":
-        n, shift, pos = 0, 0, 1
-        while pos < len(reply) and pos < 11:
-            byte = reply[pos]
-            n |= (byte & 0x7F) << shift
-            pos += 1
-            if byte < 0x80:
-                if pos + n == len(reply):
-                    return reply[pos:]
-                break
-            shift += 7
+        try:
+            n, pos = read_varint(reply, 1)
+        except (IndexError, ValueError):  # a cut or overlong length: protobuf names it
+            pass
+        else:
+            if pos + n == len(reply):
+                return reply[pos:]
     return bytes(inference_pb2.PredictionResponse.FromString(reply).prediction)

@@ -4,9 +4,10 @@ TorchServe accepts a handler module with exactly one class, so the model-side st
 ``serving/worker/scoring.py`` (archived beside this file) and only ``RecsysHandler`` is defined here.
 
 Stages (LitServe-style, each testable without a server): ``load`` (artifact + schema, device
-choice) -> ``decode`` each request -> ``forward`` one concatenated batch -> ``split`` back per
-request. TorchServe's batching (``batch_size``, ``max_batch_delay``) hands ``handle`` several
-requests of different sizes; they run as one forward. A malformed request fails alone (HTTP
+choice) -> ``decode`` each request (numpy arrays) -> ``merge`` them into one batch (the codec's,
+as the gateway's coalescer merges) -> ``forward`` it -> ``split`` the scores back per request.
+TorchServe's batching (``batch_size``, ``max_batch_delay``) hands ``handle`` several requests
+of different sizes; they run as one forward. A malformed request fails alone (HTTP
 400 with the reason) and never takes the worker or its batch-mates down.
 """
 
@@ -28,13 +29,7 @@ except ImportError:  # pragma: no cover - unit tests without TorchServe
     BaseHandler = object  # type: ignore[misc,assignment]
 
 try:  # TorchServe puts the archive's extra files beside the handler, not in a package
-    from codec import (  # type: ignore[import-not-found]
-        DESCRIBE,
-        REJECTION,
-        CodecError,
-        decode_json,
-        encode_response,
-    )
+    from codec import DESCRIBE, REJECTION, CodecError, decode_json, encode_response, merge  # type: ignore[import-not-found]
     from scoring import ScoringModel, choose_variant, to_tensors  # type: ignore[import-not-found]
 except ImportError:
     from serving.worker.codec import (
@@ -43,6 +38,7 @@ except ImportError:
         CodecError,
         decode_json,
         encode_response,
+        merge,
     )
     from serving.worker.scoring import ScoringModel, choose_variant, to_tensors
 
@@ -158,13 +154,15 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
         scored: dict[int, Any] = {}
         try:
             if good:
-                batch = self.scoring.forward([decoded[i][0] for i in good])
-                scored = dict(zip(good, batch, strict=True))
+                parts = [decoded[i][0] for i in good]
+                probs = self.scoring.forward(to_tensors(*merge(parts)))
+                sizes = [len(p[0]) for p in parts]
+                scored = dict(zip(good, torch.split(probs, sizes), strict=True))
         except Exception:  # find the request the model refuses: score each alone
             logger.warning("batch of %d failed; scoring its requests one by one", len(good))
             for i in good:
                 try:
-                    scored[i] = self.scoring.forward([decoded[i][0]])[0]
+                    scored[i] = self.scoring.forward(to_tensors(*decoded[i][0]))
                 except Exception as e:
                     decoded[i] = self._reject(context, i, e)
         out: list[Any] = []
@@ -176,7 +174,7 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
         return out
 
     def _decode(self, row: dict[str, Any]) -> tuple[Any, bool]:
-        """One request's body -> (tensors, whether it came as JSON)."""
+        """One request's body -> (its numpy arrays, whether it came as JSON)."""
         body = row.get("data") or row.get("body")
         if isinstance(body, bytes | bytearray) and body[:1] == b"{":
             try:
@@ -185,7 +183,7 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
                 raise CodecError(f"body starts with '{{' but is not JSON: {e}") from None
         if isinstance(body, dict):
             names = self.scoring.dense_names, self.scoring.sparse_names
-            return to_tensors(*decode_json(body, *names)), True
+            return decode_json(body, *names), True
         if isinstance(body, bytes | bytearray):
             return self.scoring.decode(body), False
         raise CodecError(f"expected an RSB1 or JSON body, got {type(body).__name__}")

@@ -1,8 +1,9 @@
 """The exported artifact and its schema, independent of TorchServe (used by the handler).
 
 The torch side of the wire format: :func:`to_tensors` wraps the codec's zero-copy numpy views,
-:func:`slice_examples` and :meth:`ScoringModel.forward` cut and join encoded batches.
-Shapes: ``B`` examples, ``F`` = 26 sparse features; ids are grouped feature-major.
+:func:`slice_examples` cuts an encoded batch (the codec's ``merge`` joins them, in numpy) and
+:meth:`ScoringModel.forward` scores one. Shapes: ``B`` examples, ``F`` = 26 sparse features;
+ids are grouped feature-major.
 """
 
 from __future__ import annotations
@@ -184,25 +185,21 @@ class ScoringModel:
                 torch.ones((self.sparse_count, b), dtype=torch.int32),
             )
             for _ in range(rounds):
-                self.forward([x])
+                self.forward(x)
         return time.perf_counter() - t0
 
-    def decode(self, body: bytes | bytearray) -> Tensors:
-        """RSB1 bytes -> ``(dense f32[B,D], values i64[N], lengths i32[F,B])``."""
-        return to_tensors(*_decode_request()(body, self.dense_count, self.sparse_count))
+    def decode(self, body: bytes | bytearray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """RSB1 bytes -> ``(dense f32[B,D], values i64[N], lengths i32[F,B])``, the codec's
+        zero-copy numpy views (requests are merged as arrays, then :func:`to_tensors`)."""
+        return _decode_request()(body, self.dense_count, self.sparse_count)  # type: ignore[no-any-return]
 
-    def forward(self, requests: list[Tensors]) -> list[torch.Tensor]:
-        """Concatenate requests (B_i examples each) into one batch, score, split back."""
-        sizes = [d.shape[0] for d, _, _ in requests]
-        dense = torch.cat([d for d, _, _ in requests])
-        lengths = torch.cat([ln for _, _, ln in requests], dim=1)  # [F, sum B]
-        # values are feature-major per request; regroup them feature-major for the whole batch
-        per_feature = [torch.split(v, ln.sum(dim=1).tolist()) for _, v, ln in requests]
-        values = torch.cat(
-            [chunk for f in range(lengths.shape[0]) for chunk in (p[f] for p in per_feature)]
-        )
+    def forward(self, batch: Tensors) -> torch.Tensor:
+        """One encoded batch ``(dense f32[B,D], values i64[N], lengths i32[F,B])`` -> its
+        probabilities ``f32[B]`` on CPU (several requests: merged into one batch first, by
+        the codec's ``merge``; their scores are consecutive slices of these)."""
+        dense, values, lengths = batch
         with torch.inference_mode():
             probs = self.model(
                 dense.to(self.device), values.to(self.device), lengths.to(self.device)
             )
-        return list(torch.split(probs.float().cpu(), sizes))
+        return probs.float().cpu()

@@ -16,13 +16,13 @@ import grpc
 import numpy as np
 import pytest
 
-from serving.gateway.coalesce import SLICE_PARTS, Arrays, Coalescer, Expired, merge, split
+from serving.gateway.coalesce import Coalescer, Expired, split
 from serving.gateway.config import CoalesceConfig
 from serving.gateway.ranker import ASSUMED_WORKERS, call_slots
 from serving.stubs import ranker_pb2_grpc
 from serving.tools.client import build_request
 from serving.torchserve.config import TorchServeConfig
-from serving.worker.codec import to_rows
+from serving.worker.codec import SLICE_PARTS, Arrays, merge, to_rows
 from tests.stack import start_gateway, stop_gateway, wait_status
 
 F = 3  # sparse features in the in-process tests

@@ -113,21 +113,30 @@ def test_device_and_threads_choice() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "cuts",
+    [
+        [(0, 1), (1, 8), (8, 108), (108, 600)],  # merged by slices (codec.SLICE_PARTS)
+        [(k, k + 1) for k in range(10)] + [(10, 20), (20, 600)],  # by a sort of the ids
+    ],
+)
 def test_batched_requests_of_different_sizes_score_like_separate_ones(
-    exported: tuple[Path, Path, str],
+    exported: tuple[Path, Path, str], cuts: list[tuple[int, int]]
 ) -> None:
+    """A TorchServe batch of requests is merged (the codec's merge), scored in one forward and
+    split back: each request gets the scores it gets alone, and the export's."""
     export, _, _ = exported
-    model = ScoringModel(export, "mapped_int8.pt", torch.device("cpu"))
+    handler = _handler(ScoringModel(export, "mapped_int8.pt", torch.device("cpu")))
     dense, values, lengths, expected = _sample(export)
-    cuts = [(0, 1), (1, 8), (8, 108), (108, 600)]
-    requests = [
-        model.decode(encode_request(*slice_examples(dense, values, lengths, lo, hi)))
-        for lo, hi in cuts
-    ]
-    outs = model.forward(requests)
-    for (lo, hi), out in zip(cuts, outs, strict=True):
-        assert out.shape == (hi - lo,)
-        assert np.allclose(out.numpy(), expected[lo:hi], atol=1e-6)
+    bodies = [encode_request(*slice_examples(dense, values, lengths, lo, hi)) for lo, hi in cuts]
+    context = _Context()
+    outs = handler.handle([{"body": b} for b in bodies], context)
+    assert context.status == {}
+    for (lo, hi), body, out in zip(cuts, bodies, outs, strict=True):
+        alone = handler.scoring.forward(to_tensors(*handler.scoring.decode(body)))
+        assert alone.shape == (hi - lo,)
+        np.testing.assert_allclose(decode_response(out), alone.numpy(), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(alone.numpy(), expected[lo:hi], atol=1e-6, rtol=0)
 
 
 class _Context:
@@ -168,9 +177,9 @@ def test_a_poison_body_in_a_batch_fails_alone(exported: tuple[Path, Path, str]) 
     np.testing.assert_allclose(decode_response(out[1]), expected[0:2], atol=1e-6, rtol=0)
     np.testing.assert_allclose(decode_response(out[6]), expected[5:9], atol=1e-6, rtol=0)
     alone = handler.scoring.forward(
-        [to_tensors(*decode_json(as_json, names, handler.scoring.sparse_names))]
+        to_tensors(*decode_json(as_json, names, handler.scoring.sparse_names))
     )
-    np.testing.assert_allclose(out[3], alone[0].numpy(), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(out[3], alone.numpy(), atol=1e-6, rtol=0)
     reasons = {
         0: "body starts with '{' but is not JSON",
         2: "instances[0]: TypeError",
@@ -188,21 +197,24 @@ def test_a_request_the_model_raises_on_fails_alone(exported: tuple[Path, Path, s
     export, _, _ = exported
 
     class Refuses(ScoringModel):
-        """The real model, refusing any request of exactly 3 examples (a fault injected)."""
+        """The real model, refusing any batch with a NaN dense value (a fault injected)."""
 
-        def forward(self, requests: list[Tensors]) -> list[torch.Tensor]:
-            if any(d.shape[0] == 3 for d, _, _ in requests):
-                raise RuntimeError("injected: 3 examples")
-            return super().forward(requests)
+        def forward(self, batch: Tensors) -> torch.Tensor:
+            if batch[0].isnan().any():
+                raise RuntimeError("injected: NaN")
+            return super().forward(batch)
 
     handler = _handler(Refuses(export, "mapped_int8.pt", torch.device("cpu")))
     dense, values, lengths, expected = _sample(export)
     cuts = [(0, 2), (2, 5), (5, 9)]
     bodies = [encode_request(*slice_examples(dense, values, lengths, a, b)) for a, b in cuts]
+    poisoned = [t.clone() for t in slice_examples(dense, values, lengths, 2, 5)]
+    poisoned[0][1, 3] = float("nan")  # the middle request's rows (a copy: the sample stays)
+    bodies[1] = encode_request(*poisoned)
     context = _Context()
     out = handler.handle([{"data": b} for b in bodies], context)
-    assert out[1] == REJECTION + b"RuntimeError: injected: 3 examples"
-    assert context.status == {1: (500, "RuntimeError: injected: 3 examples")}
+    assert out[1] == REJECTION + b"RuntimeError: injected: NaN"
+    assert context.status == {1: (500, "RuntimeError: injected: NaN")}
     for k in (0, 2):
         a, b = cuts[k]
         np.testing.assert_allclose(decode_response(out[k]), expected[a:b], atol=1e-6, rtol=0)

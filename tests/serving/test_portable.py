@@ -129,7 +129,7 @@ def test_scoring_model_loads_portable_and_mapped_variants_without_fbgemm(
     s = np.load(export / "sample.npz")
     x = tuple(torch.from_numpy(s[k]) for k in ("dense", "values", "lengths"))
     model = ScoringModel(export, "model_portable.pt", CPU)
-    (probs,) = model.forward([x])
+    probs = model.forward(x)
     np.testing.assert_allclose(probs.numpy(), s["probs_eager"], atol=1e-6)
     with pytest.raises(ValueError, match="on CPU a mapped variant is served in its own dtype"):
         ScoringModel(export, "mapped_int8.pt", CPU, torch.bfloat16)

@@ -13,12 +13,12 @@ import time
 
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 
 from serving.gateway import varint, wire
 from serving.gateway.validate import InvalidRequest, Limits, Schema, columns, validate
 from serving.gateway.varint import read_varint, varints
 from serving.gateway.wire import (
-    _small,
     columns_from_bytes,
     columns_of,
     decode_score_request,
@@ -247,36 +247,49 @@ def client_request(rng: np.random.Generator) -> bytes:
 
 
 def test_requests_as_clients_send_them_decode_like_protobuf(decoder: str) -> None:
-    """The small-request path (one Python pass) and the general one give protobuf's arrays,
-    or its refusal: every flaw falls through to the general path, which names it."""
+    """Small requests as clients send them, a flaw in some: protobuf's arrays, or its refusal
+    (the C walk's checks pass exactly the valid ones; validation names every flaw)."""
     rng = np.random.default_rng(7)
-    small = 0
+    valid = 0
     for _ in range(800):
         data = client_request(rng)
         ref, ours = _reference(data), _ours(data)
-        parsed = parse(data, len(SCHEMA.sparse))
-        assert parsed is not None  # canonical
-        fast = _small(parsed, SCHEMA, LIMITS)
+        assert parse(data, len(SCHEMA.sparse)) is not None  # canonical
         if decoder == "native":  # the C checks pass exactly the valid ones (schema order here)
             native = wire._native(data, 26, len(SCHEMA.dense), LIMITS.max_ids_per_feature)
             clean = native is not None and native[2]
             assert clean == (not isinstance(ref, str)), (data[:60], ref)
         if isinstance(ref, str) or isinstance(ours, str):
-            assert ref == ours and fast is None, (data[:60], ref, ours)
+            assert ref == ours, (data[:60], ref, ours)
             continue
+        valid += 1
         assert ref[1] == ours[1]
         for a, b in zip(ref[0], ours[0], strict=True):
-            assert a.dtype == b.dtype and np.array_equal(a, b)
-        if fast is not None:
-            small += 1
-            for a, b in zip(ref[0], fast, strict=True):
-                assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
-    assert small > 200  # the valid small requests took the one-pass path
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    assert valid > 200  # the flaws are a minority: the valid requests are what is compared
 
 
-def test_small_and_vectorized_varint_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
-    """decode_fields below and above SMALL_BYTES: the same values, counts and refusals."""
+def _read_fields(fields: list[bytes]) -> tuple[list[int], list[int]] | None:
+    """decode_fields' answer varint by varint (read_varint; u64 as i64), None when malformed."""
+    values, counts = [], []
+    for f in fields:
+        pos, before = 0, len(values)
+        try:
+            while pos < len(f):
+                value, pos = read_varint(f, pos)
+                value &= (1 << 64) - 1  # protobuf keeps a 10th byte's lowest bit
+                values.append(value - (1 << 64) if value >= 1 << 63 else value)
+        except (IndexError, ValueError):
+            return None
+        counts.append(len(values) - before)
+    return values, counts
+
+
+def test_the_vectorized_varints_read_small_fields_like_one_by_one() -> None:
+    """decode_fields on a few bytes (small requests take the vectorized pass too): the values,
+    counts and refusals of reading each varint in turn, with overlong, cut and 11-byte ones."""
     rng = np.random.default_rng(3)
+    refused = 0
     for _ in range(400):
         fields: list[bytes] = []
         for _ in range(int(rng.integers(1, 6))):
@@ -286,15 +299,14 @@ def test_small_and_vectorized_varint_paths_agree(monkeypatch: pytest.MonkeyPatch
             if rng.random() < 0.1 and raw:  # cut, or made 11 bytes long
                 raw = raw[:-1] if rng.random() < 0.5 else b"\x80" * 10 + raw
             fields.append(raw)
-        got = []
-        for threshold in (1 << 20, 0):  # byte by byte in Python; vectorized
-            monkeypatch.setattr(varint, "SMALL_BYTES", threshold)
-            got.append(varint.decode_fields(fields))
-        small, packed = got
-        if small is None or packed is None:
-            assert small is None and packed is None, fields
+        got, expected = varint.decode_fields(fields), _read_fields(fields)
+        refused += expected is None
+        if got is None or expected is None:
+            assert got is None and expected is None, fields
             continue
-        assert np.array_equal(small[0], packed[0]) and np.array_equal(small[1], packed[1])
+        assert got[0].dtype == np.int64 and got[0].tolist() == expected[0], fields
+        assert got[1].tolist() == expected[1], fields
+    assert 20 < refused < 200
 
 
 def test_the_response_bytes_are_protobufs_own() -> None:
@@ -317,6 +329,13 @@ def test_the_prediction_is_read_like_protobuf_does() -> None:
                                     (b"abcd", "s-1")):  # fmt: skip
         reply = inference_pb2.PredictionResponse(prediction=prediction, sequence_id=sequence_id)
         assert prediction_of(reply.SerializeToString()) == prediction
+    long = inference_pb2.PredictionResponse(prediction=b"y" * 20_000).SerializeToString()
+    assert prediction_of(long) == b"y" * 20_000  # a length of 3 bytes
+    for cut in (b"\x0a", b"\x0a\x80", b"\x0a\xff\xff", b"\x0a\x05abc", long[:-1]):
+        with pytest.raises(DecodeError):  # protobuf's own refusal
+            inference_pb2.PredictionResponse.FromString(cut)
+        with pytest.raises(DecodeError):
+            prediction_of(cut)
 
 
 def unpacked(req: ranker_pb2.ScoreRequest, lengths_too: bool = True) -> bytes:
