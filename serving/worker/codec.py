@@ -7,8 +7,9 @@ Request (little-endian), ``RSB1``::
 
 Response: ``float32[B]`` probabilities. Batches in this format are joined by :func:`merge` (the
 one feature-major merge: the gateway's coalescer joins concurrent requests into one call with
-it, the handler the requests of a TorchServe batch into one forward). Decoding is zero-copy (``np.frombuffer``; the handler
-wraps the views with ``torch.from_numpy``, see ``serving/worker/scoring.py``) and checks every size
+it, the handler the requests of a TorchServe batch into one forward). Decoding is zero-copy
+(``np.frombuffer``; the handler wraps the views with ``torch.from_numpy``, see
+``serving/worker/scoring.py``) and checks every size
 against the header, so a truncated or inconsistent body is named precisely instead of crashing
 a worker. Also TorchServe's default REST style (JSON ``instances``), kept for users who call
 TorchServe directly.
