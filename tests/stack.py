@@ -58,13 +58,12 @@ def start_gateway(
     schema: Path, replicas: Sequence[TorchServeConfig], log: Path, **overrides: Any
 ) -> tuple[subprocess.Popen[bytes], str]:
     """``python -m serving.gateway`` on a free port in front of ``replicas``; (process, target)."""
-    cfg = GatewayConfig(
-        schema=schema,
-        port=free_ports(1)[0],
-        backend=",".join(r.grpc_inference_target for r in replicas),
-        key_file=",".join(str(r.key_file) for r in replicas),
+    settings = {
+        "backend": ",".join(r.grpc_inference_target for r in replicas),
+        "key_file": ",".join(str(r.key_file) for r in replicas),
         **overrides,
-    )
+    }
+    cfg = GatewayConfig(schema=schema, port=free_ports(1)[0], **settings)
     return launch_gateway(cfg, log), f"127.0.0.1:{cfg.port}"
 
 

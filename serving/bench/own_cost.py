@@ -92,9 +92,7 @@ async def measure(cfg: OwnCostConfig, key_file: Path) -> dict[int, float]:
         backend="127.0.0.1:1", key_file=str(key_file), schema=cfg.export / "schema.json"
     )
     m = metrics.configure(gw.limits.max_examples, gw.coalesce.max_examples)
-    pool = BackendPool(
-        gw.backends(), gw.key_files(), schema.model_name, gw.deadline_s, hedge=gw.hedge
-    )
+    pool = BackendPool(gw.backend, gw.key_file, schema.model_name, gw.deadline_s, hedge=gw.hedge)
     ranker = Ranker(gw, schema, pool, schema_plan(schema))
     ranker.set_plan(ranker.plan)
     loop = asyncio.get_running_loop()

@@ -4,12 +4,13 @@ Each backend has its own channel, key file (TorchServe writes new keys at every 
 health, kept by a probe loop that sends a one-example request every interval and checks the
 answer (one probability in [0, 1]: a handler that refuses every request is not healthy). Calls
 go to the healthy backend with the fewest calls in flight, round robin between equals (to any
-backend while none is known healthy). A call
-that fails as an outage (unreachable, no worker, a worker that died, a stale key, no answer
+backend while none is known healthy). A call that fails as an outage (unreachable, no worker, a worker that died, a stale key, no answer
 within the backend deadline) marks its backend unhealthy. It is retried on another backend,
 while the client's deadline allows, only when it failed fast: never after a timeout, which
 would double the load on replicas exactly when they are too slow. Scoring has no side effects,
-so a retry after a fast failure cannot do harm.
+so a retry after a fast failure cannot do harm. Replicas come from :mod:`.discovery`: fixed
+addresses, or ``dns:///name:port`` resolved again before each health round (new addresses
+join, gone ones are drained and closed).
 """
 
 from __future__ import annotations
@@ -19,21 +20,20 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 
 from serving.gateway import metrics
 from serving.gateway.config import HedgeConfig
+from serving.gateway.discovery import Discovery
 from serving.gateway.errors import BackendError, map_backend_error
 from serving.gateway.hedge import Hedger, answered_within
-from serving.gateway.wire import prediction_of
-from serving.torchserve.client import PREDICTIONS, inference_pb2, predictions_envelope
-from serving.torchserve.keys import KeyFileError, KeySource
-from serving.worker.codec import DESCRIBE, CodecError, decode_response, encode_request
+from serving.gateway.replica import Backend, connect, probe_body, probe_problem
+from serving.torchserve.client import inference_pb2, predictions_envelope
+from serving.torchserve.keys import KeyFileError
+from serving.worker.codec import DESCRIBE
 
 logger = logging.getLogger("serving.gateway.backends")
 RECONNECT_OPTIONS = (
@@ -41,91 +41,27 @@ RECONNECT_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
-# a backend's key file is looked at this often at most (a stat per call cost ~40 us under load);
-# TorchServe takes longer than this to restart with new keys, and a refused key is re-read
-KEY_RECHECK_S = 1.0
-
-
-def probe_body(dense: int, sparse: int) -> bytes:
-    """A one-example request (zeros, no ids) of the schema's shape: the health probe."""
-    return encode_request(
-        np.zeros((1, dense), np.float32), np.zeros(0, np.int64), np.zeros((sparse, 1), np.int32)
-    )
-
-
-def probe_problem(prediction: bytes) -> str:
-    """ "" when a probe's answer is one finite probability in [0, 1], else what is wrong."""
-    try:
-        scores = decode_response(prediction)
-    except CodecError as e:  # e.g. the handler refuses the request: wrong schema in the .mar
-        return f"the probe's answer does not decode: {e}"
-    if scores.size != 1 or not (0.0 <= float(scores[0]) <= 1.0):
-        return f"the probe's answer is {scores[:4].tolist()}, not one probability in [0, 1]"
-    return ""
-
-
-@dataclass
-class Backend:
-    target: str
-    keys: KeySource
-    channel: grpc.aio.Channel
-    predictions: Any
-    """``Predictions`` taking a serialized request (``predictions_envelope`` + body)."""
-    ready: dict[str, bool] = field(default_factory=dict)
-    """Per model version: in rotation (its last probe passed and no outage since)."""
-    calls: int = field(default=0)
-    in_flight: int = 0
-    problems: dict[str, str] = field(default_factory=dict)
-    """Per model version: why its last probe failed (absent = it passed)."""
-    stalled: bool = False
-    """A call of it had to be hedged: new calls prefer the others until a probe passes."""
-    served: dict[str, dict[str, str]] = field(default_factory=dict)
-    """Per model version in rotation: what its workers serve (device, variant, dtype), as
-    the handler describes it; asked again after the backend leaves rotation."""
-    workers: int = 0
-    """TorchServe workers on the replica (every version's), as its handler last counted them
-    in a describe answer; 0 = not said yet."""
-
-    key_due: float = 0.0
-    key_metadata: tuple[tuple[str, str], ...] = ()
-
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        """Call metadata with the current key (:data:`KEY_RECHECK_S`); KeyFileError if the
-        key file cannot be read."""
-        now = time.monotonic()
-        if now >= self.key_due:
-            self.key_metadata = self.keys.metadata()
-            self.key_due = now + KEY_RECHECK_S
-        return self.key_metadata
-
-    @property
-    def healthy(self) -> bool:
-        """In rotation for at least one version."""
-        return any(self.ready.values())
+DRAIN_S = 30.0  # a replica gone from DNS is closed once its calls end, or after this long
 
 
 class BackendPool:
     def __init__(
         self,
-        targets: Sequence[str],
-        key_files: Sequence[Path],
+        targets: str | Sequence[str],
+        key_files: str | Sequence[str | Path],
         model_name: str,
         deadline_s: float,
         options: Sequence[tuple[str, Any]] = (),
         deadline_per_mb_s: float = 0.0,
         hedge: HedgeConfig | None = None,
     ) -> None:
-        files = list(key_files) * len(targets) if len(key_files) == 1 else list(key_files)
+        self.discovery = Discovery(targets, key_files)
         # gRPC backs off reconnecting up to 120 s by default: a replica restarted after a long
         # outage would stay out of rotation that long. Retry at least every second instead.
-        channel_options = [*options, *RECONNECT_OPTIONS]
-        self.backends = []
-        for target, key_file in zip(targets, files, strict=True):
-            channel = grpc.aio.insecure_channel(target, options=channel_options)
-            predictions = channel.unary_unary(
-                PREDICTIONS, request_serializer=None, response_deserializer=prediction_of
-            )
-            self.backends.append(Backend(target, KeySource(key_file), channel, predictions))
+        self._channel_options = [*options, *RECONNECT_OPTIONS]
+        self.backends: list[Backend] = []
+        self._draining: dict[int, tuple[Backend, float]] = {}  # id -> (backend, since)
+        self.join(self.discovery.fixed())
         self.model_name = model_name
         self.hedger = Hedger(hedge or HedgeConfig(ratio=0.0))
         self.deadline_s = deadline_s
@@ -136,25 +72,53 @@ class BackendPool:
         ``cordon``: a replica busy loading a version)."""
         self._next = 0
 
+    def join(self, replicas: Sequence[tuple[str, Path]]) -> None:
+        """Make the backends ``replicas`` (target, key file): new ones are added (out of
+        rotation until probed), those not listed leave at once and are closed when their
+        calls have ended (:meth:`close_drained`)."""
+        wanted = dict(replicas)
+        for b in [b for b in self.backends if b.target not in wanted]:
+            self.backends.remove(b)
+            self._draining[id(b)] = (b, time.monotonic())
+            metrics.untrack_backend(b.target)
+            logger.info("backend %s removed (%d calls in flight drain)", b.target, b.in_flight)
+        known = {b.target for b in self.backends}
+        for target, key_file in wanted.items():
+            if target in known:
+                continue
+            backend = connect(target, key_file, self._channel_options)
+            self.backends.append(backend)
+            metrics.track_backend(backend)
+            if self.discovery.dynamic:
+                logger.info("backend %s added (key file %s)", target, key_file)
+
+    async def close_drained(self, force: bool = False) -> None:
+        """Close the channels of removed backends whose calls ended (all with ``force``)."""
+        now = time.monotonic()
+        for key, (b, since) in list(self._draining.items()):
+            if force or b.in_flight == 0 or now - since > DRAIN_S:
+                del self._draining[key]
+                await b.channel.close()
+
     def ready(self, version: str) -> bool:
         """At least one backend is in rotation for ``version``."""
         return any(b.ready.get(version, False) for b in self.backends)
 
-    def pick(self, tried: set[int], version: str) -> int | None:
+    def pick(self, tried: set[str], version: str) -> Backend | None:
         """The next backend not yet tried: those in rotation for ``version`` first; among them
         the one with the fewest calls in flight (a replica that hangs, e.g. paused, holds only
         the calls it already has), round robin between equals; cordoned ones, and stalled ones
         (a call had to be hedged away from them), only when no other is in rotation."""
         n = len(self.backends)
-        order = [(self._next + k) % n for k in range(n)]
+        order = [self.backends[(self._next + k) % n] for k in range(n)]
         for rank in (0, 1, 2):  # in rotation and not cordoned; in rotation; any
             candidates = [
-                i for i in order if i not in tried and self._rank(self.backends[i], version) <= rank
+                b for b in order if b.target not in tried and self._rank(b, version) <= rank
             ]
             if candidates:
-                i = min(candidates, key=lambda j: self.backends[j].in_flight)
-                self._next = (i + 1) % n
-                return i
+                b = min(candidates, key=lambda c: c.in_flight)
+                self._next = (self.backends.index(b) + 1) % n
+                return b
         return None
 
     def _rank(self, backend: Backend, version: str) -> int:
@@ -180,11 +144,10 @@ class BackendPool:
         Returns the prediction and the target of the backend that answered."""
         loop = asyncio.get_running_loop()
         end = None if time_remaining is None else loop.time() + time_remaining
-        tried: set[int] = set()
+        tried: set[str] = set()
         last: BackendError | None = None
-        while (i := self.pick(tried, version)) is not None:
-            tried.add(i)
-            backend = self.backends[i]
+        while (backend := self.pick(tried, version)) is not None:
+            tried.add(backend.target)
             left = None if end is None else end - loop.time()
             if left is not None and left <= 0:
                 break
@@ -218,10 +181,13 @@ class BackendPool:
             if not last.retry:
                 raise last
             metrics.failover(backend.target)
+        if last is None and not self.backends:
+            entries = ",".join(e.text for e in self.discovery.entries)
+            last = BackendError(grpc.StatusCode.UNAVAILABLE, f"no TorchServe replica: {entries}")
         raise last or BackendError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
 
     async def _first(
-        self, backend: Backend, request: bytes, timeout: float, version: str, tried: set[int]
+        self, backend: Backend, request: bytes, timeout: float, version: str, tried: set[str]
     ) -> tuple[Any, Backend]:
         """``backend``'s answer (the prediction's bytes), or a hedge's (:mod:`.hedge`): when it
         has not answered by the recent tail and another replica in rotation (not tried; a
@@ -288,14 +254,14 @@ class BackendPool:
 
         task.add_done_callback(ended)
 
-    def _hedge_target(self, version: str, tried: set[int]) -> Backend | None:
+    def _hedge_target(self, version: str, tried: set[str]) -> Backend | None:
         """Where a hedge of a call goes now: :meth:`pick`'s choice when it is in rotation (a
         stalled or cordoned one only when no other is); None when there is none or the budget
         is spent."""
-        i = self.pick(tried, version)
-        if i is None or self._rank(self.backends[i], version) > 1 or not self.hedger.spend():
+        b = self.pick(tried, version)
+        if b is None or self._rank(b, version) > 1 or not self.hedger.spend():
             return None
-        return self.backends[i]
+        return b
 
     def _start(self, backend: Backend, request: bytes, timeout: float | None = None) -> Any:
         """One ``Predictions`` call of a serialized request, started (the grpc call object,
@@ -371,9 +337,12 @@ class BackendPool:
         )
 
     async def refresh(self, versions: Sequence[str], dense: int, sparse: int) -> bool:
-        """Probe every backend for every version once (versions no longer listed leave
-        rotation); True when at least one backend is in rotation for ``versions[0]`` (the
-        default)."""
+        """Look the replicas up again (``dns:`` entries), probe every backend for every
+        version once (versions no longer listed leave rotation); True when at least one
+        backend is in rotation for ``versions[0]`` (the default)."""
+        if self.discovery.dynamic:
+            self.join(await self.discovery.resolve())
+        await self.close_drained()
         pairs = [(b, v) for b in self.backends for v in versions]
         results = await asyncio.gather(*(self.probe(b, v, dense, sparse) for b, v in pairs))
         for (backend, version), ok in zip(pairs, results, strict=True):
@@ -396,3 +365,4 @@ class BackendPool:
     async def close(self) -> None:
         for b in self.backends:
             await b.channel.close()
+        await self.close_drained(force=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from recsys_stack.config import env_field
+from serving.gateway.discovery import Discovery
 from serving.gateway.validate import Limits
 
 GATEWAY_PORT_ENV = "RECSYS_GATEWAY_PORT"
@@ -146,11 +147,15 @@ class GatewayConfig:
     port: int = env_field(GATEWAY_PORT_ENV, GATEWAY_PORT)
     """Port of the ``recsys.v1.Ranker`` and ``grpc.health.v1`` services; 0 = any free port."""
     backend: str = env_field("RECSYS_TS_GRPC", "127.0.0.1:7070")
-    """TorchServe gRPC inference address(es), ``host:port[,host:port...]``: round robin over
-    the healthy ones, failover on an outage."""
+    """TorchServe gRPC inference replicas, comma-separated: ``host:port``, or
+    ``dns:///name:port`` for every address the name resolves to, looked up again at each
+    health round (replicas a Deployment or ``--scale`` adds join, removed ones drain;
+    serving/gateway/discovery.py). Round robin over the healthy ones, failover on an outage."""
     key_file: str = env_field("RECSYS_TS_KEY_FILE", "runs/serve/torchserve/key_file.json")
-    """TorchServe's key_file.json, one for all backends or one per backend, comma-separated;
-    the inference key goes in each call's metadata and is re-read when the file changes."""
+    """TorchServe's key_file.json: one for all replicas, one per ``backend`` entry
+    (comma-separated), or a template naming ``{host}`` such as ``/keys/{host}.json`` (each
+    replica's own, by its address). The inference key goes in each call's metadata and is
+    re-read when the file changes."""
     deadline_s: float = 2.0
     """Deadline of each call to TorchServe; a backend that misses it is out of rotation."""
     deadline_per_mb_s: float = 0.25
@@ -179,20 +184,8 @@ class GatewayConfig:
     log_level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
     """DEBUG also logs every TorchServe call with its request and example counts."""
 
-    def backends(self) -> list[str]:
-        return [t.strip() for t in self.backend.split(",") if t.strip()]
-
-    def key_files(self) -> list[Path]:
-        return [Path(p.strip()) for p in self.key_file.split(",") if p.strip()]
-
     def __post_init__(self) -> None:
-        n_keys, n_backends = len(self.key_files()), len(self.backends())
-        if not n_backends:
-            raise ValueError("backend: no TorchServe address")
-        if n_keys not in (1, n_backends):
-            raise ValueError(
-                f"key_file: {n_keys} key files for {n_backends} backends: one, or one per backend"
-            )
+        Discovery(self.backend, self.key_file)  # ValueError naming a bad entry or key file
 
 
 @dataclass

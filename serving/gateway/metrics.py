@@ -170,12 +170,6 @@ class GatewayMetrics:
             self.traffic.labels(v).set(shares.get(v, 0.0))
         self.generation.labels(plan_file).set(generation)
 
-    def track_backends(self, backends: Iterable[Any]) -> None:
-        """``backend_healthy`` read from each backend's ``healthy`` at scrape time."""
-        for b in backends:
-            self.healthy.labels(b.target).set_function(functools.partial(_healthy, b))
-            self.failovers[b.target] = self._failovers.labels(b.target)
-
     def track_in_flight(self, calls: Callable[[], int]) -> None:
         """``backend_calls_in_flight`` read from ``calls()`` at scrape time."""
         self.backend_in_flight.set_function(lambda: float(calls()))
@@ -286,6 +280,23 @@ def hedged(backend: str) -> None:
     """A slow call's second copy goes to ``backend`` (serving/gateway/hedge.py)."""
     if _current is not None:
         _current._hedges.labels(backend).inc()
+
+
+def track_backend(b: Any) -> None:
+    """A replica joined (at start, or found by discovery): ``backend_healthy`` reads its
+    ``healthy`` at scrape time."""
+    if (m := _current) is not None:
+        m.healthy.labels(b.target).set_function(functools.partial(_healthy, b))
+        m.failovers[b.target] = m._failovers.labels(b.target)
+
+
+def untrack_backend(target: str) -> None:
+    """A replica left (discovery): its series go with it."""
+    if (m := _current) is not None and m.failovers.pop(target, None) is not None:
+        m.healthy.remove(target)
+        m._failovers.remove(target)
+        for key in [k for k in m._serving if k[0] == target]:
+            m.serving.remove(*m._serving.pop(key))
 
 
 def failover(backend: str) -> None:

@@ -20,10 +20,11 @@ import numpy as np
 
 from serving.gateway import metrics
 from serving.gateway.admission import Admission
-from serving.gateway.backends import Backend, BackendPool
+from serving.gateway.backends import BackendPool
 from serving.gateway.coalesce import Arrays, Coalescer, Expired, ScoreCountError
 from serving.gateway.config import CoalesceConfig, GatewayConfig
 from serving.gateway.errors import BackendError, ScoreError
+from serving.gateway.replica import Backend
 from serving.gateway.validate import InvalidRequest, Schema, clip
 from serving.gateway.wire import decode_score_request, peek_examples, score_response
 from serving.plan import Plan, ordered
@@ -47,11 +48,14 @@ ASSUMED_WORKERS = 2
 def call_slots(c: CoalesceConfig, backends: Sequence[Backend]) -> int:
     """Backend calls in flight at most per version: ``c.calls_per_worker`` per worker of the
     replicas in rotation (of all while none is; a replica that has not said counts
-    :data:`ASSUMED_WORKERS`), or ``c.calls_per_backend`` per replica when set."""
+    :data:`ASSUMED_WORKERS`), or ``c.calls_per_backend`` per replica when set; counted as one
+    replica while none is known (names not resolved yet)."""
     if c.calls_per_backend:
-        return c.calls_per_backend * len(backends)
+        return c.calls_per_backend * max(1, len(backends))
     serving = [b for b in backends if b.healthy] or backends
-    return c.calls_per_worker * sum(b.workers or ASSUMED_WORKERS for b in serving)
+    return c.calls_per_worker * (
+        sum(b.workers or ASSUMED_WORKERS for b in serving) or ASSUMED_WORKERS
+    )
 
 
 class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]

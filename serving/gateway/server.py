@@ -28,6 +28,7 @@ from serving.gateway.auth import AuthError, check_exposure, refusal, server_cred
 from serving.gateway.auth import interceptors as auth_interceptors
 from serving.gateway.backends import BackendPool
 from serving.gateway.config import GatewayConfig
+from serving.gateway.discovery import Discovery
 from serving.gateway.memory import keep_freed_memory
 from serving.gateway.plan_watcher import PlanWatcher, schema_plan
 from serving.gateway.ranker import ENVELOPE_BYTES, SERVICE, Ranker
@@ -138,9 +139,10 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         ("grpc.max_receive_message_length", 2 * cfg.limits.max_request_bytes),
         ("grpc.max_send_message_length", 2 * cfg.limits.max_request_bytes),
     ]
+    m = metrics.configure(cfg.limits.max_examples, cfg.coalesce.max_examples)
     pool = BackendPool(
-        cfg.backends(),
-        cfg.key_files(),
+        cfg.backend,
+        cfg.key_file,
         schema.model_name,
         cfg.deadline_s,
         backend_options(cfg),
@@ -149,8 +151,6 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     )
     check_exposure(cfg.host, cfg.auth)
     credentials = server_credentials(cfg.tls)
-    m = metrics.configure(cfg.limits.max_examples, cfg.coalesce.max_examples)
-    m.track_backends(pool.backends)
     watcher = PlanWatcher(Path(cfg.plan), schema) if cfg.plan else None
     plan = watcher.load() if watcher else schema_plan(schema)
     ranker = Ranker(cfg, schema, pool, plan)
@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_limits_fit(cfg, schema)
         if cfg.plan:  # readable, and for this gateway's model and request contract
             PlanWatcher(Path(cfg.plan), schema).load()
-        for path in cfg.key_files():
+        for _, path in Discovery(cfg.backend, cfg.key_file).fixed():
             try:  # TorchServe writes its keys when it starts: it may start after the gateway
                 read_keys(path)
             except KeyFileError as e:

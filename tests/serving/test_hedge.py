@@ -15,9 +15,10 @@ from typing import Any
 import grpc
 import pytest
 
-from serving.gateway.backends import BackendPool, probe_body
+from serving.gateway.backends import BackendPool
 from serving.gateway.config import HedgeConfig
 from serving.gateway.hedge import WARM, Hedger
+from serving.gateway.replica import probe_body
 from serving.torchserve.client import PREDICTIONS, inference_pb2
 
 
