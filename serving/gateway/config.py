@@ -17,6 +17,8 @@ from serving.gateway.validate import Limits
 
 GATEWAY_PORT_ENV = "RECSYS_GATEWAY_PORT"
 GATEWAY_PORT = 50051
+HTTP_PORT_ENV = "RECSYS_GATEWAY_HTTP_PORT"
+HTTP_PORT = 8000  # Triton's and KServe's HTTP port
 TOKEN_FILE_ENV = "RECSYS_GATEWAY_TOKEN_FILE"
 TOKEN_FILE_NAME = "gateway_token"  # in the supervisor's workdir (runs/serve by default)
 METRICS_PORT = 9464  # the OpenTelemetry Prometheus exporter's customary port
@@ -146,6 +148,10 @@ class GatewayConfig:
     """Bind address (0.0.0.0 to serve other hosts, as in a container)."""
     port: int = env_field(GATEWAY_PORT_ENV, GATEWAY_PORT)
     """Port of the ``recsys.v1.Ranker`` and ``grpc.health.v1`` services; 0 = any free port."""
+    http_port: int = env_field(HTTP_PORT_ENV, HTTP_PORT)
+    """Port of KServe v2 over HTTP/JSON (``/v2/...``, serving/gateway/rest.py) on ``host``,
+    with the same auth, TLS, limits and metrics as gRPC; 0 = any free port (logged), -1 = off.
+    A port already in use is logged as an error and the gateway serves gRPC only."""
     backend: str = env_field("RECSYS_TS_GRPC", "127.0.0.1:7070")
     """TorchServe gRPC inference replicas, comma-separated: ``host:port``, or
     ``dns:///name:port`` for every address the name resolves to, looked up again at each
@@ -185,6 +191,8 @@ class GatewayConfig:
     """DEBUG also logs every TorchServe call with its request and example counts."""
 
     def __post_init__(self) -> None:
+        if self.http_port < -1:
+            raise ValueError("http_port: a port, 0 (any free port) or -1 (off)")
         Discovery(self.backend, self.key_file)  # ValueError naming a bad entry or key file
 
 

@@ -2,7 +2,8 @@
 
 ``python -m serving.gateway --schema runs/demo/export/schema.json`` (see ``--help``). A
 ``grpc.aio`` server with the standard health service (NOT_SERVING until TorchServe reports the
-model ready, polled in the background) and server reflection (grpcurl works without protos).
+model ready, polled in the background) and server reflection (grpcurl works without protos);
+KServe v2 over HTTP too (``http_port``, :mod:`serving.gateway.rest`) on the same event loop.
 This module wires the process (services, health, plan, signals); the scoring path is
 :mod:`serving.gateway.ranker`.
 """
@@ -22,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from recsys_stack.config import ConfigError, parse
-from serving.gateway import kserve, metrics
+from serving.gateway import kserve, metrics, rest
 from serving.gateway.admission import AdmissionInterceptor
 from serving.gateway.auth import AuthError, check_exposure, refusal, server_credentials
 from serving.gateway.auth import interceptors as auth_interceptors
@@ -86,11 +87,13 @@ async def poll_health(
     watcher: PlanWatcher | None,
     servicer: health.aio.HealthServicer,
     auth_gate: Sequence[HandlerInterceptor] = (),
+    model: kserve.Model | None = None,
 ) -> None:
     """Applies plan changes, probes every backend for every version; SERVING while at least
     one backend answers for the default version, the deadline gate is not refusing every
     call (:meth:`Admission.refusing_all`) and the token file can be used (an emptied or broken
-    one refuses every call: :func:`auth.refusal`), NOT_SERVING otherwise."""
+    one refuses every call: :func:`auth.refusal`), NOT_SERVING otherwise; KServe's server
+    readiness (``model``, gRPC and HTTP) follows it."""
     status = None
     schema = ranker.schema
     while True:
@@ -109,6 +112,8 @@ async def poll_health(
             ok = False
         if problem := refusal(auth_gate):  # the TokenFile logged it when it broke
             ok = False
+        if model is not None:
+            model.serving = ok
         new = (
             health_pb2.HealthCheckResponse.SERVING
             if ok
@@ -168,7 +173,9 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, routes)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    kserve.add_to_server(ranker, routes)  # KServe v2, same port and scoring path
+    model = kserve.Model(ranker)
+    model.serving = False  # until the first health round says otherwise
+    kserve.add_to_server(model, routes)  # KServe v2, same port and scoring path
     names = (SERVICE, kserve.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
     descriptors = reflection_pool(
         ranker_pb2.DESCRIPTOR, kserve_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR,
@@ -186,6 +193,8 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         port = server.add_secure_port(address, credentials)
     await server.start()
     metrics_server = metrics.start_server(m, cfg.metrics.host or cfg.host, cfg.metrics.port)
+    # KServe v2 over HTTP: the same model, auth, admission and metrics, on this loop
+    http = await rest.start(cfg, rest.Rest(model, ranker.admission, auth_gate, m))
     logger.info(
         "gateway on %s:%d (%s, %s) -> TorchServe %s, model %s versions %s",
         cfg.host,
@@ -196,7 +205,9 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         plan.model,
         "/".join(ordered(plan)),
     )
-    poller = asyncio.create_task(poll_health(cfg, ranker, watcher, health_servicer, auth_gate))
+    poller = asyncio.create_task(
+        poll_health(cfg, ranker, watcher, health_servicer, auth_gate, model)
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -206,6 +217,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     await stop.wait()
     logger.info("stopping: %.1fs grace for in-flight calls", cfg.grace_s)
     poller.cancel()
+    model.serving = False  # HTTP probes see /v2/health/ready 503 while calls drain
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     # Calls already handed to our code finish within the grace. Those grpc core has received
@@ -213,7 +225,8 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     # still in the listener's accept queue (the port shared with a successor: SO_REUSEPORT) is
     # reset unless net.ipv4.tcp_migrate_req = 1. grpc.aio can neither drain nor close only the
     # listener first, so our clients retry both (serving/tools/channel.py; docs/chaos.md).
-    await server.stop(cfg.grace_s)
+    # aiohttp closes its listener first, then lets calls in flight finish within the grace
+    await asyncio.gather(server.stop(cfg.grace_s), *([http[0].cleanup()] if http else []))
     await pool.close()
     if metrics_server is not None:
         metrics_server.close()
