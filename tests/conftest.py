@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -231,9 +232,16 @@ def pytest_configure(config: pytest.Config) -> None:
     """A short temp root when the suite runs in xdist workers and none was given: each worker's
     folder (``popen-gwN``) adds a level under ``/tmp/pytest-of-<user>/pytest-<n>``, and the
     TorchServe workdirs under it must stay short enough for its AF_UNIX sockets
-    (serving/torchserve/process.py refuses deeper ones)."""
+    (serving/torchserve/process.py refuses deeper ones). Kept after the run for its logs, as
+    pytest keeps its own; roots of runs older than a day are removed (no live run is)."""
     import tempfile
+    import time
 
     workers = getattr(config.option, "numprocesses", None)
     if workers and config.option.basetemp is None and not os.environ.get("PYTEST_XDIST_WORKER"):
-        config.option.basetemp = tempfile.mkdtemp(prefix="rs-")
+        tmp = Path(tempfile.gettempdir())
+        for old in tmp.glob("rs-*"):
+            with contextlib.suppress(OSError):
+                if old.is_dir() and time.time() - old.stat().st_mtime > 86400:
+                    shutil.rmtree(old, ignore_errors=True)
+        config.option.basetemp = tempfile.mkdtemp(prefix="rs-", dir=tmp)

@@ -65,7 +65,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         self.pool = pool
         self.plan = plan
         self.slots = call_slots(cfg.coalesce, pool.backends)
-        self._slots_said = False
+        self._slots_said: dict[str, int | str] | None = None  # the workers last logged
         self.body_limit = cfg.backend_max_bytes - ENVELOPE_BYTES - HEADER.size
         self.coalescers: dict[str, Coalescer] = {}  # per version: a merged call is one version
         lim = cfg.limits
@@ -87,13 +87,13 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         requests leave at once."""
         slots = call_slots(self.cfg.coalesce, self.pool.backends)
         deck = self.deck(slots)
-        if slots != self.slots or not self._slots_said:
-            workers = {b.target: b.workers or "?" for b in self.pool.backends}
+        workers = {b.target: b.workers or "?" for b in self.pool.backends}
+        if slots != self.slots or workers != self._slots_said:  # said again when they change
             logger.info(
                 "backend calls in flight: at most %d per version, +%d merged waiting (workers %s)",
                 slots, deck, workers,
             )  # fmt: skip
-            self.slots, self._slots_said = slots, True
+            self.slots, self._slots_said = slots, workers
             for c in self.coalescers.values():
                 c.slots, c.deck = slots, deck
                 c.dispatch()
