@@ -182,7 +182,13 @@ bench-scale: setup  ## export/serving vs table size (SCALE_ARGS), preprocessing 
 # beside a CPU hog; TEST_WORKERS=3 is the parallel mode under test (issue 31).
 TEST_WORKERS ?= 0
 test: test-deps setup  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
-	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) --ignore=tests/containers $(PYTEST_ARGS)
+
+# The stack in real containers (tests/containers: docker-compose over podman's socket, podman kube
+# play): the images built first (make images keeps podman's layers, so a rebuild is quick).
+.PHONY: compose-test
+compose-test: setup container-deps images  ## the compose stack (and the k8s manifests) run for real in podman containers
+	$(PY) -m pytest tests/containers $(PYTEST_ARGS)
 
 # System tools the suite runs for real: docker-compose (tests/deploy validates the compose file
 # with `docker-compose config`, no engine needed), prometheus (it scrapes the live stack) and gcc
@@ -212,7 +218,7 @@ clean:  ## remove runs and caches (not the venv)
 # image docker-compose.yml names from docker/Dockerfile, tagged as compose names them, on a
 # machine with no image registry too (the base then comes from Debian packages: base-image).
 IMAGE_TAG ?= latest
-IMAGE_TARGETS ?= trainer torchserve gateway locust
+IMAGE_TARGETS ?= trainer torchserve gateway locust prometheus
 IMAGE_BASE ?=
 TORCH_INDEX ?= auto
 MIRROR ?=

@@ -7,8 +7,8 @@
 #   docker/build_images.sh base     localhost/debian-min:bookworm (debootstrap) -> PYTHON_IMAGE
 #   docker/build_images.sh images   every target compose builds, checked inside, sizes printed
 #
-# IMAGE_TAG (latest; compose's RECSYS_IMAGE_TAG), IMAGE_TARGETS (trainer torchserve gateway locust;
-# torchserve-cuda too for the CUDA build), IMAGE_BASE (empty: python:3.11-slim when it can be
+# IMAGE_TAG (latest; compose's RECSYS_IMAGE_TAG), IMAGE_TARGETS (trainer torchserve gateway locust
+# prometheus; torchserve-cuda too for the CUDA build), IMAGE_BASE (empty: python:3.11-slim when it can be
 # pulled, else the local Debian base), TORCH_INDEX (auto: "none" = the hashed CPU wheel of pip's
 # find-links when it is there, else download.pytorch.org's CPU index), FBGEMM, MIRROR (the Debian
 # mirror; empty: the one apt's sources name).
@@ -16,11 +16,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TAG=${IMAGE_TAG:-latest}
-TARGETS=${IMAGE_TARGETS:-trainer torchserve gateway locust}
+TARGETS=${IMAGE_TARGETS:-trainer torchserve gateway locust prometheus}
 DEBIAN_IMAGE=localhost/debian-min:bookworm
 PYTHON_IMAGE=${PYTHON_IMAGE:-localhost/recsys-python:3.11}
 UPSTREAM_BASE=docker.io/library/python:3.11-slim
-PACKAGES=(podman runc debootstrap docker-compose)
+PACKAGES=(podman runc debootstrap docker-compose catatonit)
 CONTAINERS_CONF='[containers]
 default_ulimits = ["nofile=4096:4096", "nproc=4096:4096"]
 [engine]
@@ -169,12 +169,16 @@ assert w._fastwire, 'no C decoder'; assert u.find_spec('torch') is None, 'torch 
 			podman run --rm --no-healthcheck "$image" python -m serving.gateway --help >/dev/null
 		;;
 	locust)
-		podman run --rm --no-healthcheck "$image" python -c "import importlib.util as u; assert u.find_spec('torch') is None, 'torch in the locust image'" &&
+		podman run --rm --no-healthcheck "$image" python -c "import importlib.util as u, loadtest.locustfile; \
+assert u.find_spec('torch') is None, 'torch in the locust image'" &&
 			podman run --rm --no-healthcheck "$image" locust -f loadtest/locustfile.py --help >/dev/null
 		;;
 	torchserve*)
 		podman run --rm --no-healthcheck "$image" torchserve --help >/dev/null &&
 			podman run --rm --no-healthcheck "$image" python -c "import torch, fbgemm_gpu, torchrec"
+		;;
+	prometheus)
+		podman run --rm --no-healthcheck "$image" --version >/dev/null
 		;;
 	trainer)
 		podman run --rm --no-healthcheck "$image" python -c "import torch, fbgemm_gpu, torchrec" &&
@@ -221,7 +225,7 @@ images() {
 			target=torchserve
 			args=(--build-arg "BASE=$base" --build-arg TORCH_INDEX=https://pypi.org/simple --build-arg FBGEMM=fbgemm-gpu==1.8.0)
 		fi
-		case $target in trainer | torchserve | gateway | locust) ;; *) die "unknown image target '$t' (trainer torchserve gateway locust torchserve-cuda)" ;; esac
+		case $target in trainer | torchserve | gateway | locust | prometheus) ;; *) die "unknown image target '$t' (trainer torchserve gateway locust prometheus torchserve-cuda)" ;; esac
 		image=recsys-stack/$t:$TAG
 		t0=$(now)
 		echo "== $image (target $target)"

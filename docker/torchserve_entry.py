@@ -14,8 +14,12 @@ sets ``RECSYS_TS_HOST=0.0.0.0`` (the gateway is another host on the compose netw
 ``RECSYS_TS_WORKDIR=/shared/ts``. The key file is generated at start into
 ``<workdir>/key_file.json`` (this container's own volume); with ``RECSYS_TS_INFERENCE_KEY_FILE``
 set, its inference key alone is copied there (mode 0600, replaced atomically whenever TorchServe
-writes new keys): that is the file the gateway mounts, so it never holds management keys.
-Nothing secret is in the image.
+writes new keys): that is the file the gateway mounts, so it never holds management keys. A
+``{host}`` in that path is this replica's address (``RECSYS_TS_ADVERTISE_HOST``, else what the
+container's hostname resolves to: its address on the compose network or the pod's IP), so
+replicas of one scaled service each write their own, ``/keys/{host}.json``, and a gateway that
+finds them by name (``--backend dns:///torchserve:7070 --key-file /keys/{host}.json``) reads
+each one's key by the address it resolved. Nothing secret is in the image.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -33,12 +38,29 @@ from serving.torchserve.config import TorchServeConfig, resolve_model
 from serving.torchserve.keys import KeyFileError, inference_key
 
 INFERENCE_KEY_ENV = "RECSYS_TS_INFERENCE_KEY_FILE"
+ADVERTISE_ENV = "RECSYS_TS_ADVERTISE_HOST"
+
+
+def advertised_host() -> str:
+    """This replica's address as the gateway resolves it (see the module's docstring)."""
+    if host := os.environ.get(ADVERTISE_ENV):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError as e:
+        raise ValueError(
+            f"{socket.gethostname()} does not resolve ({e}): set {ADVERTISE_ENV} to this "
+            "replica's address"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         doc = __doc__.split("\n\n")[0]
         cfg = resolve_model(parse(TorchServeConfig, argv, "python docker/torchserve_entry.py", doc))
+        share = os.environ.get(INFERENCE_KEY_ENV, "")
+        if "{host}" in share:
+            share = share.replace("{host}", advertised_host())
         proc = process.start(cfg)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -49,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: stopping.append(s))
     offset, copied = 0, -1
-    share = os.environ.get(INFERENCE_KEY_ENV, "")
     while True:
         offset = copy_log(cfg.log_file, offset)
         if share:

@@ -57,7 +57,8 @@ def compose_bin() -> str:
 
 def clean_env() -> dict[str, str]:
     """The environment without the stack's variables: the file's own defaults apply."""
-    drop = ("RECSYS_", "PRESET", "NPROC", "FORMATS", "USERS", "SPAWN_RATE", "DURATION", "LOCUST")
+    drop = ("RECSYS_", "PRESET", "NPROC", "FORMATS", "USERS", "SPAWN_RATE", "DURATION", "LOCUST",
+            "PROMETHEUS_HOST_PORT")  # fmt: skip
     return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
 
 
@@ -144,25 +145,29 @@ def test_bind_mounts_exist_or_are_made_by_make() -> None:
             assert rel.exists() or str(rel) in MADE_BY_MAKE, f"{name}: {rel} is not in the repo"
 
 
-def test_torchserve_replicas_have_their_own_key_file_and_gateway_lists_them() -> None:
+def test_replicas_are_one_scaled_service_the_gateway_finds_by_name() -> None:
+    """``--scale torchserve=N`` adds replicas the gateway calls: it resolves the service name
+    (dns:///torchserve) and reads each replica's own inference key by its address."""
     svcs = services()
-    replicas = sorted(n for n in svcs if re.fullmatch(r"torchserve-\d+", n))
-    assert len(replicas) >= 2
-    workdirs = [svcs[n]["environment"]["RECSYS_TS_WORKDIR"] for n in replicas]
-    assert len(set(workdirs)) == len(workdirs)
-    gateway = svcs["gateway"]
-    for n in replicas:
-        assert gateway["depends_on"][n]["condition"] == "service_healthy"
+    ts, gateway = svcs["torchserve"], svcs["gateway"]
+    assert ts["deploy"]["replicas"] >= 2
+    assert not [n for n in svcs if re.fullmatch(r"torchserve-\d+", n)], "static replicas again"
+    assert gateway["depends_on"]["torchserve"]["condition"] == "service_healthy"
     argv = shlex.split(command_lines(gateway["command"])[0])
-    backends = argv[argv.index("--backend") + 1].split(",")
-    keys = argv[argv.index("--key-file") + 1].split(",")
-    assert [b.split(":")[0] for b in backends] == replicas
+    port = port_defaults()["RECSYS_TS_GRPC_INFERENCE_PORT"]
+    assert argv[argv.index("--backend") + 1] == f"dns:///torchserve:{port}"
+    keys = argv[argv.index("--key-file") + 1]
     # the gateway reads each replica's inference-only copy, never its full key_file.json
-    shared = [svcs[n]["environment"]["RECSYS_TS_INFERENCE_KEY_FILE"] for n in replicas]
-    assert keys == shared and not any(k.startswith(tuple(workdirs)) for k in keys)
+    shared = ts["environment"]["RECSYS_TS_INFERENCE_KEY_FILE"]
+    assert keys == shared == "/keys/{host}.json"
+    assert not keys.startswith(ts["environment"]["RECSYS_TS_WORKDIR"])
+    gpu = svcs["torchserve-gpu"]
+    assert "torchserve" in gpu["networks"]["default"]["aliases"], "the GPU replica joins by name"
+    assert gpu["environment"]["RECSYS_TS_INFERENCE_KEY_FILE"] == shared
     mounts = [v.split(":") for v in gateway["volumes"]]  # source:target[:ro], as 1.29 prints
-    assert "ts-state" not in [m[0] for m in mounts], "the gateway would hold management keys"
     assert all(m[-1] == "ro" for m in mounts), f"the gateway writes nothing: {mounts}"
+    ts_mounts = {m.split(":")[1]: m.split(":")[0] for m in ts["volumes"]}
+    assert ts_mounts["/keys"] == "gateway-keys", "the replicas share only inference keys"
 
 
 def port_mapping(p: dict | str) -> tuple[str, int, int]:
@@ -190,14 +195,13 @@ def test_gateway_has_a_token_and_is_published_on_loopback() -> None:
 def test_prometheus_scrapes_the_gateway_and_every_torchserve() -> None:
     svcs = services()
     config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
-    jobs = {
-        j["job_name"]: [t for sc in j["static_configs"] for t in sc["targets"]]
-        for j in config["scrape_configs"]
-    }
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     ports = port_defaults()
-    assert jobs["gateway"] == [f"gateway:{ports['RECSYS_GATEWAY_METRICS_PORT']}"]
-    replicas = sorted(n for n in svcs if re.fullmatch(r"torchserve-\d+", n))
-    assert jobs["torchserve"] == [f"{n}:{ports['RECSYS_TS_METRICS_PORT']}" for n in replicas]
+    static = [t for sc in jobs["gateway"]["static_configs"] for t in sc["targets"]]
+    assert static == [f"gateway:{ports['RECSYS_GATEWAY_METRICS_PORT']}"]
+    (dns,) = jobs["torchserve"]["dns_sd_configs"]  # every replica, as the gateway finds them
+    assert (dns["names"], dns["type"]) == (["torchserve"], "A")
+    assert dns["port"] == ports["RECSYS_TS_METRICS_PORT"]
     assert str(ports["RECSYS_GATEWAY_METRICS_PORT"]) in svcs["gateway"]["expose"]
     mounts = {v.split(":")[1]: v.split(":")[0] for v in svcs["prometheus"]["volumes"]}
     assert mounts["/etc/prometheus/prometheus.yml"] == str(PROMETHEUS_CONFIG)
@@ -326,8 +330,9 @@ def test_published_and_exposed_ports_are_the_defaults() -> None:
             published.append(target)
         for p in svc.get("expose", []):
             assert int(p) in known, f"{name}: exposed {p}"
-    # the gateway is the public face; Prometheus's UI is on loopback too
-    assert published == [port_defaults()["RECSYS_GATEWAY_PORT"], PROMETHEUS_PORT]
+    # the gateway is the public face (gRPC, KServe v2 REST); Prometheus's UI is on loopback too
+    gw = port_defaults()
+    assert published == [gw["RECSYS_GATEWAY_PORT"], gw["RECSYS_GATEWAY_HTTP_PORT"], PROMETHEUS_PORT]
 
 
 def test_environment_names_are_read_by_the_code_and_hold_no_secret() -> None:
