@@ -1,4 +1,4 @@
-"""Container healthchecks: ``torchserve`` (REST ``/ping``) or ``gateway`` (grpc.health.v1).
+"""Container healthchecks: ``torchserve`` (a READY worker) or ``gateway`` (grpc.health.v1).
 
 ``python docker/healthcheck.py torchserve|gateway``; exit 0 when healthy. Ports and folders come
 from the configs the servers load, with the same variables (``RECSYS_TS_INFERENCE_PORT``,
@@ -9,30 +9,27 @@ checked over TLS with its token when it asks for them.
 from __future__ import annotations
 
 import sys
-import urllib.request
 
 from recsys_stack.config import load
 
 
 def torchserve(timeout: float = 3.0) -> bool:
-    """TorchServe answers ``/ping`` 200 ("Healthy") once its model's workers are up.
+    """The model TorchServe serves has a READY worker (its management API's description, as
+    ``make serve`` waits for it: serving.torchserve.process.ready_workers).
 
-    With token authorization on (TorchServe 0.12's default, kept) ``/ping`` needs the
-    inference key too, from ``<workdir>/key_file.json``.
+    Not ``/ping``: it answered 200 while the model's worker was still loading, so a replica
+    scaled in was "healthy" 19 s before it could score. The management key comes from
+    ``<workdir>/key_file.json`` (token authorization on, TorchServe 0.12's default, kept).
     """
-    from serving.torchserve.config import TorchServeConfig
-    from serving.torchserve.keys import KeyFileError, inference_key
+    from serving.torchserve import process
+    from serving.torchserve.config import TorchServeConfig, resolve_model
 
-    cfg = load(TorchServeConfig)
     try:
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{cfg.inference_port}/ping",
-            headers={"Authorization": f"Bearer {inference_key(cfg.key_file)}"},
-        )
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status == 200
-    except (OSError, KeyFileError):  # not up, key not written yet, 4xx/5xx
+        cfg = resolve_model(load(TorchServeConfig))
+    except (OSError, ValueError) as e:  # no archive in the model store
+        print(f"torchserve: {e}", file=sys.stderr)
         return False
+    return process.ready_workers(cfg, timeout) > 0
 
 
 def gateway(timeout: float = 3.0) -> bool:

@@ -120,10 +120,10 @@ def describe(cfg: TorchServeConfig, timeout: float = 5.0) -> list[dict[str, Any]
     return models
 
 
-def ready_workers(cfg: TorchServeConfig) -> int:
+def ready_workers(cfg: TorchServeConfig, timeout: float = 5.0) -> int:
     """Workers of the model in state READY (0 while loading or if TorchServe is unreachable)."""
     try:
-        models = describe(cfg)
+        models = describe(cfg, timeout)
     except (OSError, ValueError, KeyError, RuntimeError):  # not up yet, key file not written yet
         return 0
     return sum(w.get("status") == "READY" for m in models for w in m.get("workers", []))

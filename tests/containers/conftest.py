@@ -77,6 +77,15 @@ class Project:
             raise AssertionError(f"docker-compose {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
         return proc.stdout
 
+    def save_logs(self, out: Path) -> None:
+        """Every container's log (``podman logs``) into ``out``, for a failure's post-mortem."""
+        out.mkdir(exist_ok=True)
+        label = f"label=com.docker.compose.project={self.name}"
+        names = _run(["podman", "ps", "-a", "--filter", label, "--format", "{{.Names}}"]).stdout
+        for name in names.split():
+            logs = _run(["podman", "logs", "--timestamps", name])
+            (out / f"{name}.log").write_text(logs.stdout + logs.stderr)
+
     def containers(self, service: str, all_: bool = False) -> list[dict[str, Any]]:
         """``podman inspect`` of the service's containers (running ones unless ``all_``)."""
         cmd = ["podman", "ps", "-q", "--filter", f"label=com.docker.compose.project={self.name}",
@@ -166,6 +175,7 @@ def project(engine: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
     try:
         yield p
     finally:
+        p.save_logs(folder / "logs")
         p.compose("--profile", "train", "--profile", "load", "down", "-v", "--timeout", "20",
                   check=False)  # fmt: skip
         print(f"compose log: {p.log}")

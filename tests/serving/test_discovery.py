@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
+from recsys_stack.net import free_ports
 from serving.gateway import metrics
 from serving.gateway.backends import BackendPool
 from serving.gateway.config import GatewayConfig
@@ -23,6 +25,8 @@ from serving.tools.client import build_request
 from serving.torchserve.config import TorchServeConfig
 from serving.worker.codec import to_rows
 from tests.stack import start_gateway, stop_gateway, wait_status
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_entries_parse_in_the_grpc_naming_forms() -> None:
@@ -117,3 +121,21 @@ def test_a_gateway_scores_through_replicas_found_by_name(
     finally:
         assert stop_gateway(gateway) == 0
     assert f"backend 127.0.0.1:{port} added" in (tmp_path / "gateway.log").read_text()
+
+
+def test_the_container_healthcheck_wants_a_ready_worker(
+    torchserve: tuple[TorchServeConfig, subprocess.Popen[bytes]],
+) -> None:
+    """``docker/healthcheck.py torchserve`` (compose's and the k8s readiness probe) passes on a
+    replica with a READY worker, found from the variables the container sets, and fails on one
+    that does not answer."""
+    cfg, _ = torchserve
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RECSYS_")}
+    env.update(RECSYS_TS_MANAGEMENT_PORT=str(cfg.management_port),
+               RECSYS_TS_WORKDIR=str(cfg.workdir), RECSYS_MODEL_STORE=str(cfg.model_store))  # fmt: skip
+    check = [sys.executable, "docker/healthcheck.py", "torchserve"]
+    ok = subprocess.run(check, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    env["RECSYS_TS_MANAGEMENT_PORT"] = str(free_ports(1)[0])  # nothing listens there
+    down = subprocess.run(check, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert down.returncode == 1, down.stderr
