@@ -32,6 +32,7 @@ PROFILES = ["train", "load", "gpu"]
 # the compose services themselves); docs/deploy.md says to `mkdir -p` them before `up`.
 MADE_BY_MAKE = {
     "runs": "make train / make export (and the trainer/export services)",
+    "runs/serve": "make serve (and the gateway-token service, which the load profile waits for)",
     "model_store": "make export (and the export service)",
     "data": "make train (synthetic data, data/cache)",
     "reports": "make loadtest (and locust-master)",
