@@ -156,7 +156,8 @@ def test_overload_is_refused_fast_and_health_stays_fast(
     # tail is partly the machine's, so the bounds here are loose: enough not to flake beside a
     # CPU hog and the suite's other workers (refusals p99 217 ms seen there), tight enough to
     # catch a queue (at stop 16, before the door: refusals p99 1.5 s, health p99 207 ms).
-    assert np.median(refused) <= 50, "refusals must be immediate, not queued"
+    # median 155 ms seen in a parallel suite's run (3 workers, no hog): a queue is seconds
+    assert np.median(refused) <= 300, "refusals must be immediate, not queued"
     assert np.percentile(health, 99) <= 150, "health checks wait behind the overload"
     assert np.percentile(steady, 99) <= 600, "refusals wait behind the overload"
     assert after_s <= 2 and after <= max(2 * idle, idle + 5), (idle, after)
