@@ -4,8 +4,8 @@ Each backend has its own channel, key file (TorchServe writes new keys at every 
 health, kept by a probe loop that sends a one-example request every interval and checks the
 answer (one probability in [0, 1]: a handler that refuses every request is not healthy). Calls
 go to the healthy backend with the fewest calls in flight, round robin between equals (to any
-backend while none is known healthy). A call that fails as an outage (unreachable, no worker, a worker that died, a stale key, no answer
-within the backend deadline) marks its backend unhealthy. It is retried on another backend,
+backend while none is known healthy). A call that fails as an outage (unreachable, no worker,
+a worker that died, a stale key, no answer within the backend deadline) marks its backend unhealthy. It is retried on another backend,
 while the client's deadline allows, only when it failed fast: never after a timeout, which
 would double the load on replicas exactly when they are too slow. Scoring has no side effects,
 so a retry after a fast failure cannot do harm. Replicas come from :mod:`.discovery`: fixed

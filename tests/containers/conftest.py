@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from recsys_stack.net import free_ports
+from tests.deploy.test_compose import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -165,8 +166,7 @@ def project(engine: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
         (folder / sub).mkdir()
         os.chown(folder / sub, UID, UID)
     gateway_port, http_port, prometheus_port = free_ports(3)
-    drop = ("RECSYS_", "PRESET", "NPROC", "FORMATS", "USERS", "SPAWN_RATE", "DURATION", "LOCUST")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env = clean_env()  # the compose file's own defaults, as tests/deploy reads it
     env.update(engine, PRESET="tiny", RECSYS_GATEWAY_PORT=str(gateway_port),
                RECSYS_GATEWAY_HTTP_PORT=str(http_port), PROMETHEUS_HOST_PORT=str(prometheus_port),
                COMPOSE_HTTP_TIMEOUT="600")  # fmt: skip
