@@ -182,7 +182,7 @@ bench-scale: setup  ## export/serving vs table size (SCALE_ARGS), preprocessing 
 # beside a CPU hog; TEST_WORKERS=3 is the parallel mode under test (issue 31).
 TEST_WORKERS ?= 0
 test: test-deps setup  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
-	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) --ignore=tests/containers $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) --ignore=tests/containers $(PYTEST_ARGS)
 
 # The stack in real containers (tests/containers: docker-compose over podman's socket, podman kube
 # play): the images built first (make images keeps podman's layers, so a rebuild is quick).

@@ -227,6 +227,33 @@ def exported_portable(
     return base / "run" / "export", base / "store", stdout
 
 
+# The modules that take longest (seconds in a parallel run's junit report, heaviest first). Under
+# pytest-xdist (make test) each module runs whole in one worker (--dist loadfile: its module
+# fixtures, a TorchServe or a trained run, are built once, not once per worker that got one of
+# its tests), and the longest go first so that none starts last and runs alone at the end
+# (longest-processing-time-first). Only the order depends on this list: a module missing from
+# it runs after these, in collection order.
+LONGEST_FIRST = (
+    "training/test_continuous.py", "serving/test_rollout.py", "training/test_export.py",
+    "training/test_train.py", "training/test_portable.py", "training/test_multinode.py",
+    "training/test_errors.py", "serving/test_failover.py", "loadtest/test_loadtest.py",
+    "training/test_frozen_recipe.py", "serving/test_mapped.py", "serving/test_canary.py",
+    "serving/test_gateway.py", "loadtest/test_chaos.py", "training/test_atomic.py",
+    "training/test_presets_guard.py", "serving/test_scale.py", "serving/test_portable.py",
+    "serving/test_bench.py", "test_notebook.py", "serving/test_auth.py",
+    "training/test_bench_scale.py", "serving/test_limits.py", "serving/test_takeover.py",
+    "training/test_model_name.py", "training/test_preprocess.py", "serving/test_kserve_rest.py",
+    "serving/test_supervisor.py", "serving/test_tls_tools.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules of :data:`LONGEST_FIRST` first, in its order; the rest keep theirs (a stable
+    sort: the tests of a module keep their order)."""
+    rank = {f"tests/{m}": i for i, m in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     """A short temp root when the suite runs in xdist workers and none was given: each worker's

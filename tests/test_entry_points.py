@@ -8,6 +8,8 @@ programs as subprocesses.
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -84,3 +86,21 @@ def test_a_missing_config_file_is_named(
     missing = tmp_path / "nope.toml"
     code, _, err = _run(script, ["--config", str(missing)], capsys)
     assert code == 2 and f"config file not found: {missing}" in err, err
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_help_answers_without_importing_torch(script: str) -> None:
+    """``--help`` in a fresh process of the console script's own function leaves torch
+    unimported (importing torch, TorchRec and fbgemm costs 5-6 s of CPU before any option is
+    read; training/launch.py)."""
+    module, _, func = SCRIPTS[script].partition(":")
+    argv = [*LEADING.get(script, []), "--help"]
+    code = (
+        f"import sys\nfrom {module} import {func} as main\ntry:\n    main({argv!r})\n"
+        "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "print('imported torch' if 'torch' in sys.modules else 'torch-free')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().endswith("torch-free"), f"{script} --help imported torch"

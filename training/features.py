@@ -6,7 +6,25 @@ export scripts the very same functions into every artifact, so training and serv
 disagree. Shapes: ``B`` batch, ``D`` dense features (13), ``F`` sparse features (26).
 """
 
-from recsys_model.features import dense_transform, hash_ids, hash_values, pack_ids
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from recsys_model.features import dense_transform, hash_ids, hash_values, pack_ids
+
+_TRANSFORMS = ("dense_transform", "hash_ids", "hash_values", "pack_ids")
+
+
+def __getattr__(name: str) -> Any:
+    """The transforms, imported with torch on first use: the layout below is torch-free, so
+    what only needs names (the config, a ``--help``) does not load torch (4-5 s of CPU)."""
+    if name in _TRANSFORMS:
+        import recsys_model.features
+
+        return getattr(recsys_model.features, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DENSE_NAMES",

@@ -1,17 +1,25 @@
-"""``python -m training.launch <torchrun arguments>``: torchrun, quiet when interrupted.
+"""How the training stages start: torchrun quiet when interrupted, and the console scripts.
+
+``python -m training.launch <torchrun arguments>`` is torchrun, quiet when interrupted.
 
 ``make train`` starts its process group through here. On Ctrl-C (SIGINT to the whole
 foreground group) torchrun stops its ranks and then raises its ``SignalException`` with a
 traceback, after two warnings per rank; the ranks have already said what survived and how to
 resume (:mod:`training.checkpoint.interrupt`), so this exits with ``128 + signal`` (130 for Ctrl-C)
 without them. Everything else is torchrun's own behaviour, failure reports included.
+
+The console scripts (``recsys-train``, ``recsys-continuous``, ``recsys-bench-training``) answer
+``--help`` with the stage's own torch-free parser before anything imports torch, TorchRec and
+fbgemm (5-6 s of CPU, 20 s on a busy 2-core machine, only to print options); every other command
+line goes to the stage's ``main``, which parses it again and does the work (its errors and exit
+codes are the stage's own).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from recsys_stack import logs
 
@@ -48,6 +56,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SignalException as e:
         return 128 + int(e.sigval)
     return 0
+
+
+HELP = ("-h", "--help")
+
+
+def _help_first(argv: Sequence[str] | None, parse: Callable[[list[str]], object]) -> None:
+    """``parse(argv)`` when ``argv`` asks for help: argparse prints it and exits 0."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in HELP for a in args):
+        parse(args)
+
+
+def train(argv: Sequence[str] | None = None) -> int:
+    """``recsys-train``: :func:`training.train.main`."""
+    from training.config import parse_args
+
+    _help_first(argv, parse_args)
+    from training.train import main
+
+    return main(argv)
+
+
+def continuous(argv: Sequence[str] | None = None) -> int:
+    """``recsys-continuous``: :func:`training.continuous.__main__.main`."""
+    from training.continuous.config import parse_args
+
+    _help_first(argv, parse_args)
+    from training.continuous.__main__ import main
+
+    return main(argv)
+
+
+def bench(argv: Sequence[str] | None = None) -> int:
+    """``recsys-bench-training``: :func:`training.bench.run.main`."""
+    from training.bench.options import build_parser
+
+    _help_first(argv, build_parser().parse_intermixed_args)
+    from training.bench.run import main
+
+    return main(argv)
 
 
 if __name__ == "__main__":

@@ -76,8 +76,13 @@ def test_bag_modes_agree_on_all_empty_and_single_id_bags() -> None:
         PortableScorer(spec, bags="loop")
 
 
-def test_aoti_package_loads_and_matches(tmp_path: Path) -> None:
+def test_aoti_package_loads_and_matches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The AOTInductor switch, once, on a model small enough to compile in seconds."""
+    import torch._inductor.config as inductor
+
+    # one compile in this process: inductor's pool of compile workers (one per core) costs
+    # more to start than this model's few kernels take to build (62 vs 99 s, busy 2-core box)
+    monkeypatch.setattr(inductor, "compile_threads", 1)
     spec = {"rows": [11] * 26, "dim": 4, "num_dense": 13, "dense_arch": [8, 4],
             "over_arch": [8, 1], "arch": "dlrm"}  # fmt: skip
     model = PortableScorer(spec).eval()

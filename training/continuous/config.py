@@ -21,7 +21,6 @@ from typing import Any
 
 from recsys_stack import config as shared
 from recsys_stack.config import env_field
-from training.checkpoint import store as checkpoint
 from training.config import Config, add_run_args, config_errors
 from training.errors import ConfigError, RecsysError
 
@@ -117,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def recorded_config(run_dir: Path, resume: str) -> dict[str, Any]:
     """The training config of the checkpoint the loop would warm-start from (empty: none)."""
+    from training.checkpoint import store as checkpoint  # torch: not for a --help
+
     try:
         path = checkpoint.resolve(resume, run_dir / "checkpoints")
         if path is None:
