@@ -129,7 +129,7 @@ status:  ## what `make serve` started: TorchServe's READY workers, the gateway's
 score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the served model's held-out rows) through the gateway
 	$(PY) -m serving.tools.client --rows $(ROWS) $(if $(DATA),--data $(DATA))
 
-loadtest: setup  ## headless Locust against the gateway: USERS, SPAWN_RATE, DURATION, OUT; report + summary.json + PNG
+loadtest: setup  ## headless Locust against the gateway: USERS, SPAWN_RATE, DURATION, OUT; report + summary.json + PNG; exit 3 when > 1% of calls fail
 	$(PY) -m loadtest.run --users $(USERS) --spawn-rate $(SPAWN_RATE) --duration $(DURATION) --out $(OUT) $(LOADTEST_ARGS)
 
 .PHONY: chaos

@@ -31,6 +31,12 @@ class LoadConfig:
     """Criteo TSV for payloads (default: the first data/synthetic/*.tsv)."""
     examples: int = 100
     """Examples per request."""
+    sample_rows: int = 20_000
+    """The working set: requests draw their rows from the whole data file when it holds no more
+    rows than this, else from this many sampled across all of it (runs of 64 consecutive rows,
+    one per equal slice of the file, at seeded offsets). summary.json's working_set says which."""
+    seed: int = 0
+    """Seed of the sample and of the requests built from it (the same in every load process)."""
     timeout_s: float = 5.0
     """Deadline of each call; a call past it counts as a failure (DEADLINE_EXCEEDED)."""
     processes: int = 1
@@ -39,8 +45,9 @@ class LoadConfig:
     """Report folder (default reports/<timestamp>/)."""
     slo_p99_ms: float | None = None
     """Exit 3 when the p99 latency is above this."""
-    slo_failure_ratio: float | None = None
-    """Exit 3 when failures / requests is above this."""
+    slo_failure_ratio: float = 0.01
+    """Exit 3 when failed calls / calls is above this (1 = any share of failures passes); a step
+    above it is never the knee."""
     step_users: list[int] = field(default_factory=list)
     """Step-load mode: user counts, one run each (e.g. 1,2,4,8); needs slo_p99_ms."""
     step_duration: str = "10s"
@@ -52,11 +59,18 @@ class LoadConfig:
 
     def check(self) -> None:
         """Raise ConfigError naming the first value that cannot work."""
-        for name in ("users", "examples", "processes"):
+        for name in ("users", "examples", "processes", "sample_rows"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} = {getattr(self, name)}: must be >= 1")
         if self.spawn_rate <= 0 or self.timeout_s <= 0:
             raise ConfigError("spawn_rate and timeout_s must be > 0")
+        if not 0 <= self.slo_failure_ratio <= 1:
+            raise ConfigError(f"slo_failure_ratio = {self.slo_failure_ratio}: must be in [0, 1]")
+        if self.sample_rows < self.examples:
+            raise ConfigError(
+                f"sample_rows = {self.sample_rows} < examples = {self.examples}: a request "
+                "draws its rows from the working set; raise sample_rows or lower examples"
+            )
         if any(u < 1 for u in self.step_users):
             raise ConfigError(f"step_users = {self.step_users}: user counts must be >= 1")
         if self.step_users and self.slo_p99_ms is None:

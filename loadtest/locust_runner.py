@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest import report
+from loadtest import report, tally
 from loadtest.config import ROOT, LoadConfig, seconds
 from recsys_stack.net import free_ports
 
@@ -59,6 +59,7 @@ def locust_env(cfg: LoadConfig, host: str) -> dict[str, str]:
     """What the locustfile reads in every load process (see its docstring)."""
     env = dict(os.environ, LOADTEST_DATA=str(cfg.data), LOADTEST_EXAMPLES=str(cfg.examples))
     env["LOADTEST_TIMEOUT_S"] = str(cfg.timeout_s)
+    env["LOADTEST_SAMPLE_ROWS"], env["LOADTEST_SEED"] = str(cfg.sample_rows), str(cfg.seed)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["RECSYS_GATEWAY"] = host
     return env
@@ -74,7 +75,8 @@ def run_locust(
     locustfile: Path = LOCUSTFILE,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One headless Locust run into ``out`` (CSVs, HTML, locust.log) -> its summary numbers.
+    """One headless Locust run into ``out`` (CSVs, HTML, locust.log, the end-of-run files of
+    ``loadtest/tally.py``) -> its summary numbers (:func:`loadtest.report.summarize`).
 
     ``locustfile``: another user module (the chaos run's records each call); ``env``: extra
     variables for the load processes.
@@ -83,7 +85,9 @@ def run_locust(
     (``workers``), read from its log.
     """
     out.mkdir(parents=True, exist_ok=True)
-    env = {**locust_env(cfg, host), **(env or {})}
+    for old in out.glob("locust_*.json"):  # a report folder used before: not this run's counts
+        old.unlink()
+    env = {**locust_env(cfg, host), tally.PREFIX_ENV: str(out / "locust"), **(env or {})}
     base = [sys.executable, "-m", "locust", "-f", str(locustfile)]
     cmd = [*base, "--loglevel", "INFO" if cfg.processes > 1 else "WARNING", "--headless",
            "--host", host, "-u", str(users), "-r", str(spawn_rate),
@@ -128,7 +132,7 @@ def run_locust(
                 w.wait()
         logf.close()
     text = (out / "locust.log").read_text(errors="replace")
-    if master.returncode != 0 or not (out / "locust_stats.csv").exists():
+    if master.returncode != 0 or not (out / f"locust{tally.FINAL}").exists():
         raise RuntimeError(f"locust exited {master.returncode}; log tail:\n{text[-1500:]}")
     summary = report.summarize(out / "locust")
     summary["started_at"], summary["ended_at"] = round(started, 1), round(time.time(), 1)

@@ -2,9 +2,12 @@
 
 ``locust -f loadtest/locustfile.py --host 127.0.0.1:50051`` (or ``python -m loadtest.run``,
 which sets everything below). Each call is reported through ``events.request`` by a client
-interceptor (request_type "grpc", name "recsys.v1.Ranker/Score"), so the User stays thin. A
-reply is a success only if it holds one probability in [0, 1] per example and names the model
-and version (``check_reply``); anything else is a failure with its reason. The channel is
+interceptor (request_type "grpc", name "recsys.v1.Ranker/Score"; a failed call under
+"recsys.v1.Ranker/Score (failed)", so that Locust's figures of each name hold one kind of call,
+the success percentiles no failure), so the User stays thin. A reply is a success only if it
+holds one probability in [0, 1] per example and names the model and version (``check_reply``);
+anything else is a failure with its reason. As it quits, each process writes its end-of-run
+figures (``loadtest/tally.py``): Locust's CSVs are once-a-second snapshots that miss the end. The channel is
 every tool's (``serving/tools/channel.py``): it retries a call the gateway never ran
 (UNAVAILABLE, CANCELLED: what a gateway takeover costs), so Locust sees one call, its time
 including the retries.
@@ -13,6 +16,10 @@ Settings (environment, read by each load process):
   RECSYS_GATEWAY          host:port when ``--host`` is not given (default 127.0.0.1:50051)
   LOADTEST_DATA           Criteo TSV to draw payloads from (default: data/synthetic/*.tsv)
   LOADTEST_EXAMPLES       examples per request (default 100)
+  LOADTEST_SAMPLE_ROWS    the working set: the whole file up to this many rows, else this
+                          many sampled across all of it (default 20000; loadtest/payload.py)
+  LOADTEST_SEED           the sample's and the pool's seed (default 0): every process the same
+  LOADTEST_REPORT_PREFIX  where the end-of-run files go (default: Locust's --csv prefix)
   LOADTEST_TIMEOUT_S      per-call deadline (default 5)
   RECSYS_GATEWAY_TOKEN_FILE  the gateway's token file (default: runs/serve/gateway_token, or
                           $RECSYS_SERVE_DIR/gateway_token, when it exists: what `make serve`
@@ -53,8 +60,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `locust -f` puts only loadtest/ on the path
     sys.path.insert(0, str(ROOT))
 
+from loadtest import tally  # noqa: E402
 from loadtest.checks import check_reply  # noqa: E402
-from loadtest.payload import request_pool  # noqa: E402
+from loadtest.payload import request_pool, working_set  # noqa: E402
 from serving.gateway.auth import call_metadata, client_token  # noqa: E402
 from serving.stubs import ranker_pb2_grpc  # noqa: E402
 from serving.tools.channel import from_env, open_channel  # noqa: E402
@@ -71,11 +79,12 @@ class LocustInterceptor(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
 
     def __init__(self, fire: Callable[..., Any]) -> None:
         self.fire = fire
+        self.tally = TALLY
 
     def intercept_unary_unary(
         self, continuation: Callable[..., Any], call_details: Any, request: Any
     ) -> Any:
-        t0 = time.perf_counter()
+        started, t0 = time.time(), time.perf_counter()
         call = continuation(call_details, request)
         exception: Exception | None = None
         length = 0
@@ -87,9 +96,10 @@ class LocustInterceptor(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
             exception = GrpcError(f"{e.code().name}: {e.details()}")
         method = call_details.method
         method = method.decode() if isinstance(method, bytes) else method
+        self.tally.record(started, failed=exception is not None)
         self.fire(
             request_type="grpc",
-            name=method.lstrip("/"),
+            name=method.lstrip("/") + (tally.FAILED if exception is not None else ""),
             response_time=(time.perf_counter() - t0) * 1000.0,
             response_length=length,
             exception=exception,
@@ -100,6 +110,8 @@ class LocustInterceptor(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
 
 _POOL: list[Any] = []
 _POOL_LOCK = gevent.lock.Semaphore()
+TALLY = tally.Tally()  # this process's own count of its calls
+_ENV: list[Any] = []  # Locust's Environment, from the init event
 
 
 def _pool() -> list[Any]:
@@ -116,17 +128,39 @@ def _pool() -> list[Any]:
             if not data:
                 raise RuntimeError("no payload data: set LOADTEST_DATA to a Criteo TSV")
             examples = int(os.environ.get("LOADTEST_EXAMPLES", "100"))
-            build = gevent.get_hub().threadpool.apply
-            _POOL.extend(build(request_pool, (Path(data), examples), {"seed": os.getpid()}))
+            rows = int(os.environ.get("LOADTEST_SAMPLE_ROWS", "20000"))
+            seed = int(os.environ.get("LOADTEST_SEED", "0"))
+            _POOL.extend(
+                gevent.get_hub().threadpool.apply(_build, (Path(data), examples, rows, seed))
+            )
     return _POOL
+
+
+def _build(data: Path, examples: int, rows: int, seed: int) -> list[Any]:
+    """The working set and its requests; what they are goes into this process's tally."""
+    ws = working_set(data, rows, seed)
+    pool = request_pool(ws, examples, seed=seed)
+    TALLY.working_set = {**ws.info, "source": str(data), "requests": len(pool)}
+    return pool
 
 
 @events.init.add_listener
 def _build_before_the_clock(environment: Any, **_kw: Any) -> None:
     """A local run builds its pool before its users start (``--run-time`` counts from then);
     a worker already has its own (built at import, before it told the master it is ready)."""
+    _ENV.append(environment)
     if isinstance(environment.runner, LocalRunner):
         _pool()
+
+
+@events.quit.add_listener
+def _write_tally(**_kw: Any) -> None:
+    """After Locust's end (users stopped, a master's last worker reports in): the final stats
+    and this process's own count (``loadtest/tally.py``)."""
+    where = tally.prefix(_ENV[0]) if _ENV else None
+    if where:
+        tally.write_final(_ENV[0], where)
+        tally.write_load(TALLY, where)
 
 
 if "--worker" in sys.argv:  # `locust --worker`: ready = able to send, not seconds later

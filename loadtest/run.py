@@ -3,15 +3,21 @@
     python -m loadtest.run --users 8 --spawn-rate 8 --duration 30s --host 127.0.0.1:50051
 
 writes ``--out`` (default ``reports/<timestamp>/``): Locust's CSVs (``locust_*.csv``) and HTML
-report, ``summary.json`` (requests, failures, rps, p50/p95/p99/max ms, failures by gRPC code,
-commit, model name/version as the gateway reports them, users, examples per request) and
-``latency.png`` (percentiles and throughput over time). Exit codes: 0 ok, 1 the gateway or Locust
-failed, 2 bad options, 3 an SLO limit (``--slo-p99-ms``, ``--slo-failure-ratio``) was broken;
-the reason is printed in one line.
+report, its end-of-run stats (``locust_final.json``), ``summary.json`` and ``latency.png``
+(percentiles and throughput over time). summary.json: calls, failures (ratio, by gRPC code,
+their latency), successful calls/s and their p50/p95/p99/max ms, the working set the requests
+came from (rows, distinct ids, sampled or the whole file), commit, model name/version as the
+gateway reports them, users, examples per request. Its figures are Locust's end-of-run stats,
+not its once-a-second CSV; throughput and percentiles count successful calls only.
+
+Exit codes: 0 ok, 1 the gateway or Locust failed, 2 bad options, 3 an SLO limit was broken:
+the failure ratio (``--slo-failure-ratio``, default 0.01: a run that fails its calls fails) or
+the p99 (``--slo-p99-ms``); the reason is printed in one line.
 
 Step load: ``--step-users 1,2,4,8 --step-duration 10s --slo-p99-ms 50`` runs one load per user
 count (into ``step_<users>/``), prints a table and writes ``steps.json`` with the knee: the step
-with the highest throughput whose p99 is under the limit (exit 3 when no step is).
+with the highest throughput whose p99 and failure ratio are within the limits (exit 3 when no
+step is).
 
 Several load processes: ``--processes N`` (N > 1) starts a Locust master that only aggregates
 and N worker processes that generate the load, all on loopback (master port chosen free). Each
@@ -52,7 +58,7 @@ def model_info(host: str, data: Path, examples: int) -> dict[str, str]:
     """One Score call: the model name and version the gateway serves (fails fast when down)."""
     import grpc
 
-    from loadtest.payload import request_pool
+    from loadtest.payload import first_request
     from serving.tools.channel import from_env
     from serving.tools.client import RankerClient
 
@@ -60,7 +66,7 @@ def model_info(host: str, data: Path, examples: int) -> dict[str, str]:
     client = RankerClient(host, timeout=10, token=token, channel=from_env())
     try:
         reply = client.stub.Score(
-            request_pool(data, examples, size=1)[0], timeout=10, metadata=client.metadata
+            first_request(data, examples), timeout=10, metadata=client.metadata
         )
     except grpc.RpcError as e:
         code, details = e.code().name, e.details()  # type: ignore[attr-defined]
@@ -118,9 +124,34 @@ def step_load(cfg: LoadConfig, out: Path) -> tuple[list[dict[str, Any]], dict[st
         steps.append({"users": u, **s})
     best = report.knee(steps, cfg.slo_p99_ms, cfg.slo_failure_ratio)
     doc = {"commit": git_commit(), **info, "examples_per_request": cfg.examples,
-           "slo_p99_ms": cfg.slo_p99_ms, "steps": steps, "knee": best}  # fmt: skip
+           "slo_p99_ms": cfg.slo_p99_ms, "slo_failure_ratio": cfg.slo_failure_ratio,
+           "working_set": steps[0].get("working_set") if steps else None,
+           "steps": steps, "knee": best}  # fmt: skip
     (out / "steps.json").write_text(json.dumps(doc, indent=2) + "\n")
     return steps, best
+
+
+def result_line(s: dict[str, Any]) -> str:
+    """The run in one line: calls and failures, then what the successful calls did."""
+    ok = (
+        f"successful: {s['rps']:.1f} calls/s ({s['rps'] * s['examples_per_request']:,.0f} "
+        f"examples/s), p50 {s['p50_ms']:g} ms, p95 {s['p95_ms']:g} ms, p99 {s['p99_ms']:g} ms"
+        if s["successes"]
+        else "no call succeeded"
+    )
+    failed = ", ".join(f"{k} {v:,}" for k, v in sorted(s["failures_by_type"].items()))
+    ws = s.get("working_set") or {}
+    line = (
+        f"{s['requests']:,} calls, {s['failures']:,} failed ({s['failure_ratio']:.2%}"
+        + (f": {failed}" if failed else "")
+        + f"); {ok}"
+    )
+    if ws:
+        of = f"all {ws['file_rows']:,}" if "file_rows" in ws else f"of ~{ws['file_rows_est']:,}"
+        line += f"; working set {ws['rows']:,} rows ({of}), {ws['distinct_ids']:,} distinct ids"
+    if s.get("unreported_calls"):
+        line += f"; {s['unreported_calls']:,} calls made are missing from Locust's final stats"
+    return line + (f", stopped by {s['stopped_by']}" if "stopped_by" in s else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,21 +187,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps, best = step_load(cfg, out)
             print(report.steps_table(steps, best))
             if best is None:
-                print(f"SLO: no step has p99 <= {cfg.slo_p99_ms:g} ms", file=sys.stderr)
+                print(
+                    f"SLO: no step has p99 <= {cfg.slo_p99_ms:g} ms and a failure ratio <= "
+                    f"{cfg.slo_failure_ratio:g}",
+                    file=sys.stderr,
+                )
                 return SLO_EXIT
-            print(f"knee: {best['rps']:.1f} rps at {best['users']} users ({out / 'steps.json'})")
+            print(
+                f"knee: {best['rps']:.1f} successful calls/s at {best['users']} users "
+                f"({best['failure_ratio']:.2%} failed; {out / 'steps.json'})"
+            )
             return 0
         summary, violation = single(cfg, out)
     except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(
-        f"{summary['requests']} requests, {summary['failures']} failures, "
-        f"{summary['rps']:.1f} rps ({summary['rps'] * summary['examples_per_request']:,.0f} examples/s), "
-        f"p50 {summary['p50_ms']:g} ms, p95 {summary['p95_ms']:g} ms, p99 {summary['p99_ms']:g} ms"
-        + (f", stopped by {summary['stopped_by']}" if "stopped_by" in summary else "")
-        + f" ({out / 'summary.json'})"
-    )
+    print(result_line(summary) + f" ({out / 'summary.json'})")
     if violation:
         print(f"SLO: {violation}", file=sys.stderr)
         return SLO_EXIT

@@ -132,13 +132,14 @@ class Stack:
 
 @contextlib.contextmanager
 def running_stack(
-    export: Path, store: Path, workdir: Path, deadline_s: float = 2.0
+    export: Path, store: Path, workdir: Path, deadline_s: float = 2.0, **gateway: Any
 ) -> Iterator[Stack]:
-    """TorchServe + gateway (SERVING) for the block; the gateway must exit cleanly after."""
+    """TorchServe + gateway (SERVING) for the block; the gateway must exit cleanly after.
+    ``gateway``: more GatewayConfig settings (``limits=Limits(...)``)."""
     cfg = torchserve_config(store, workdir)
     torchserve = start_torchserve(cfg)
     gateway, target = start_gateway(
-        export / "schema.json", [cfg], workdir / "gateway.log", deadline_s=deadline_s
+        export / "schema.json", [cfg], workdir / "gateway.log", deadline_s=deadline_s, **gateway
     )
     s = np.load(export / "sample.npz")
     rows = {k: s[k] for k in s.files}

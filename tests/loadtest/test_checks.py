@@ -53,6 +53,13 @@ def test_load_config_errors_name_the_key() -> None:
     cfg = parse_args(["--step-users", "1,2,4", "--slo-p99-ms", "50", "--users", "3"])
     assert (cfg.step_users, cfg.slo_p99_ms, cfg.users) == ([1, 2, 4], 50.0, 3)
     assert parse_args(["--step-users", "[1, 2]", "slo_p99_ms=5"]).step_users == [1, 2]
+    # failed calls fail a run unless told otherwise
+    assert parse_args([]).slo_failure_ratio == 0.01
+    assert parse_args(["--slo-failure-ratio", "1"]).slo_failure_ratio == 1.0
+    with pytest.raises(ConfigError, match=r"slo_failure_ratio = 1\.5: must be in"):
+        parse_args(["--slo-failure-ratio", "1.5"])
+    with pytest.raises(ConfigError, match="sample_rows = 50 < examples = 100: "):
+        parse_args(["--sample-rows", "50"])
 
 
 def test_gateway_address_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
