@@ -140,24 +140,62 @@ def two_replicas_under_load(exported: tuple[Path, Path, str], tmp_path: Path) ->
                 process.stop(p)
 
 
-def test_stopping_a_replica_fails_nothing_after_one_deadline(
+def test_a_paused_then_a_stopped_replica_fail_no_call(
     exported: tuple[Path, Path, str], tmp_path: Path
 ) -> None:
+    """One pair of replicas under load, two faults in turn (one stack: its start is most of
+    the cost): a pause that must cost a hedge, not a deadline, then a stop and a restart that
+    must fail nothing after one deadline."""
     with two_replicas_under_load(exported, tmp_path) as r:
-        load, procs, a, ta, tb = r.load, r.procs, r.cfgs["a"], r.ta, r.tb
-        t_both = r.t_both
-        t_stop = time.monotonic()
-        process.stop(procs["a"], timeout=10)
-        t_gone = time.monotonic()  # (a draining replica may still answer until here)
-        # the survivor alone carries the traffic for a while (at least 20 calls)
-        load.wait("b alone", lambda c: c[tb] >= 20 and not c[ta])
-        t_restart = time.monotonic()
-        procs["a"] = start_torchserve(a)  # new keys: the gateway must re-read them
-        # back in rotation after a probe (every 1 s) once the channel reconnects (backoff
-        # capped at 1 s); a loaded CI machine may need some slack
-        t_back = load.wait("a back in rotation", lambda c: bool(c[ta] and c[tb]))
-        time.sleep(2)
-        t_end = time.monotonic()
+        paused_a_replica_costs_its_callers_a_hedge_not_a_deadline(r, tmp_path)
+        stopping_a_replica_fails_nothing_after_one_deadline(r)
+    assert not ours(tmp_path)
+
+
+def paused_a_replica_costs_its_callers_a_hedge_not_a_deadline(r: Replicas, log_dir: Path) -> None:
+    """SIGSTOP one replica (java and its workers) under load: the calls it holds are hedged to
+    the other after the recent tail, so none fails and none waits for the deadline; after
+    SIGCONT it serves again (issue 20, hedged calls)."""
+    load, procs, ta, tb = r.load, r.procs, r.ta, r.tb
+    # answered calls: the tail the hedges wait for, and the budget they spend (every call
+    # earns 0.05 of a hedge, one to start: the 3 callers' calls stuck on the paused
+    # replica need 3). A fixed sleep gave too few calls on a loaded machine: the last
+    # stuck call then waited ~0.5 s for the budget to refill.
+    deadline = time.monotonic() + 30
+    while len(load.records) < 100 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t_pause = time.monotonic()
+    os.killpg(procs["a"].pid, signal.SIGSTOP)
+    time.sleep(3)
+    os.killpg(procs["a"].pid, signal.SIGCONT)
+    t_resume = time.monotonic()
+    load.wait("a back in rotation", lambda c: bool(c[ta] and c[tb]), timeout=60)
+    outcomes, _ = load.window(t_pause - 0.5, t_resume)
+    slowest = max(d for t0, d in load.seconds if t_pause - 0.5 <= t0 < t_resume)
+    hedges = (log_dir / "gateway.log").read_text()
+    print(f"paused 3 s: {dict(outcomes)}, slowest call {slowest * 1e3:.0f} ms")
+    assert set(outcomes) == {"OK"}, outcomes
+    assert slowest < DEADLINE_S / 2, slowest  # the deadline is 1 s: no call waited it out
+    assert "out of rotation" in hedges  # the probes took the paused replica out meanwhile
+
+
+def stopping_a_replica_fails_nothing_after_one_deadline(r: Replicas) -> None:
+    """Stop replica a under load, restart it: from one deadline after the stop every call
+    succeeds, the survivor alone carries the traffic, and a comes back into rotation."""
+    load, procs, a, ta, tb = r.load, r.procs, r.cfgs["a"], r.ta, r.tb
+    t_both = load.wait("both replicas answering", lambda c: bool(c[ta] and c[tb]))
+    t_stop = time.monotonic()
+    process.stop(procs["a"], timeout=10)
+    t_gone = time.monotonic()  # (a draining replica may still answer until here)
+    # the survivor alone carries the traffic for a while (at least 20 calls)
+    load.wait("b alone", lambda c: c[tb] >= 20 and not c[ta])
+    t_restart = time.monotonic()
+    procs["a"] = start_torchserve(a)  # new keys: the gateway must re-read them
+    # back in rotation after a probe (every 1 s) once the channel reconnects (backoff
+    # capped at 1 s); a loaded CI machine may need some slack
+    t_back = load.wait("a back in rotation", lambda c: bool(c[ta] and c[tb]))
+    time.sleep(2)
+    t_end = time.monotonic()
     print(
         f"a stopped for {t_restart - t_stop:.1f} s, back {t_back - t_restart:.1f} s after restart"
     )
@@ -171,35 +209,3 @@ def test_stopping_a_replica_fails_nothing_after_one_deadline(
     assert set(by_backend) == {tb}, by_backend  # nothing reached the stopped replica
     _, by_backend = load.window(t_back, t_end)
     assert by_backend[ta] > 0 and by_backend[tb] > 0, by_backend
-    assert not ours(tmp_path)
-
-
-def test_a_paused_replica_costs_its_callers_a_hedge_not_a_deadline(
-    exported: tuple[Path, Path, str], tmp_path: Path
-) -> None:
-    """SIGSTOP one replica (java and its workers) under load: the calls it holds are hedged to
-    the other after the recent tail, so none fails and none waits for the deadline; after
-    SIGCONT it serves again (issue 20, hedged calls)."""
-    with two_replicas_under_load(exported, tmp_path) as r:
-        load, procs, ta, tb = r.load, r.procs, r.ta, r.tb
-        # answered calls: the tail the hedges wait for, and the budget they spend (every call
-        # earns 0.05 of a hedge, one to start: the 3 callers' calls stuck on the paused
-        # replica need 3). A fixed sleep gave too few calls on a loaded machine: the last
-        # stuck call then waited ~0.5 s for the budget to refill.
-        deadline = time.monotonic() + 30
-        while len(load.records) < 100 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        t_pause = time.monotonic()
-        os.killpg(procs["a"].pid, signal.SIGSTOP)
-        time.sleep(3)
-        os.killpg(procs["a"].pid, signal.SIGCONT)
-        t_resume = time.monotonic()
-        load.wait("a back in rotation", lambda c: bool(c[ta] and c[tb]), timeout=60)
-    outcomes, _ = load.window(t_pause - 0.5, t_resume)
-    slowest = max(d for t0, d in load.seconds if t_pause - 0.5 <= t0 < t_resume)
-    hedges = (tmp_path / "gateway.log").read_text()
-    print(f"paused 3 s: {dict(outcomes)}, slowest call {slowest * 1e3:.0f} ms")
-    assert set(outcomes) == {"OK"}, outcomes
-    assert slowest < DEADLINE_S / 2, slowest  # the deadline is 1 s: no call waited it out
-    assert "out of rotation" in hedges  # the probes took the paused replica out meanwhile
-    assert not ours(tmp_path)
