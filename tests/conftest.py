@@ -217,7 +217,7 @@ def exported_portable(
         shutil.copytree(trained, run, ignore=shutil.ignore_patterns("export", ".export*"))
         proc = run_export(
             ["--run-dir", str(run), "--model-store", str(base / "store"), "--version", "1.0",
-             "--formats", PORTABLE_FORMATS]
+             "--formats", PORTABLE_FORMATS, "--latency"]
         )  # fmt: skip
         noise = third_party_noise(proc.stdout + proc.stderr)
         assert not noise, noise[:10]

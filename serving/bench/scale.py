@@ -1,4 +1,4 @@
-"""``make bench-scale``: what each stage costs as the tables grow, and serving at half memory.
+"""``make bench-scale``: what each stage costs as the tables grow, and serving in less memory.
 
 For each total of table rows (``--rows``, default 1M, 4M, 16M and the Kaggle 33.8M; the 26
 tables keep the Kaggle proportions, dim 16), in one run:
@@ -9,17 +9,23 @@ tables keep the Kaggle proportions, dim 16), in one run:
 2. **serve** it (TorchServe, ``--workers`` workers, behind the gateway): seconds from start to
    every worker READY and to the gateway SERVING, each worker's PSS and the total
    (``/proc/<pid>/smaps_rollup``: shared pages count once), and a closed loop of
-   ``--concurrency`` callers sending ``--examples``-example requests whose ids follow a Zipf
-   (``--zipf``, default 1.15) law scattered over each table: examples/s, p99, failures;
-3. serve it again **confined** (``--confine``): once READY, its workers moved into a cgroup
-   v1 memory group of half the int8 table bytes plus 64 MB a worker, the tables file dropped
-   from the page cache first, so every table row they read from then on is charged to that
-   group (what they held before stays charged where it was: this kernel moves no charge), and
-   the same load; major page faults per 1,000 lookups tell the cold reads.
+   ``--concurrency`` callers sending ``--requests`` of ``--distinct`` ``--examples``-example
+   requests whose ids follow a Zipf (``--zipf``, default 1.15) law scattered over each table:
+   examples/s, p99, failures, major page faults per 1,000 lookups (reads from disk). Its
+   working set, the int8 table pages those requests touch, is computed from their ids;
+3. serve it again **confined** to each of ``--fractions`` of the int8 table bytes: TorchServe
+   is started inside a cgroup v1 memory group (:mod:`serving.bench.memgroup`: the JVM and the
+   workers are born there, every page they touch charged to it); once READY the group is
+   limited to the anonymous memory it holds then, plus 64 MiB a worker, plus that fraction of
+   the tables. A fraction whose share the working set fits in is not run (it would confine
+   nothing), and a run whose group never hit its limit (``memory.failcnt`` 0) prints no
+   "confined" figures.
 
-Writes ``--out``/scale.json and scale.png (cost vs table size) and prints a table. Needs root
-for the cgroup (skipped with a note otherwise). Serving never imports training: the model is
-trained and exported in subprocesses.
+Both runs are born in a group (the unconfined one without a limit: its peak is what the
+replica needed) and start cold: once READY the model files are dropped from the page cache.
+Writes ``--out``/scale.json and scale.png and prints a table and, per size, confined against
+unconfined. Needs root for the groups (the confined runs are skipped with a note otherwise).
+Serving never imports training: the model is trained and exported in subprocesses.
 """
 
 from __future__ import annotations
@@ -27,12 +33,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import os
-import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,9 +51,12 @@ import psutil
 from recsys_model.mapped import drop_cached
 from recsys_stack import logs
 from recsys_stack.config import ConfigError, parse
-from serving.bench.measure import run_cell
+from serving.bench import memgroup
+from serving.bench.measure import MIN_PER_CLIENT, run_cell
+from serving.bench.memgroup import MemoryGroup
 from serving.bench.methods import Connect
 from serving.bench.model import KAGGLE_ROWS, ROOT
+from serving.bench.scale_report import closing, confined_table, plot, table
 from serving.bench.servers import start_gateway, wait_all_workers
 from serving.gateway.config import GatewayConfig
 from serving.stubs import ranker_pb2_grpc
@@ -55,8 +64,17 @@ from serving.tools.client import build_request, gateway_status
 from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig, on_free_ports
 
+HELP = (
+    "make bench-scale: what export and serving cost as the tables grow (1M to the Kaggle 33.8M "
+    "rows), and serving in less memory: each replica is born in a cgroup v1 memory group (the "
+    "confined one limited, once READY, to its own memory + 64 MiB a worker + --fractions of "
+    "the int8 tables); a fraction whose share holds the requests' working set is not run, and "
+    "a run whose group never hit its limit prints no confined figures (docs/scale.md)."
+)
 KAGGLE_TOTAL = sum(KAGGLE_ROWS)
-CGROUP = Path("/sys/fs/cgroup/memory")
+SLACK = 64 * 2**20  # a worker's room to allocate under load, in the confined group's limit
+INT8_ROW = 16 + 8  # bytes of an int8 row at dim 16: the codes, then float32 scale and bias
+PAGE = 4096
 
 
 @dataclass
@@ -71,14 +89,15 @@ class ScaleConfig:
     """Closed-loop callers through the gateway."""
     examples: int = 100
     """Examples per request."""
-    requests: int = 3000
-    """Requests per load run (spread over the callers)."""
+    requests: int = 4096
+    """Requests per load run, spread over the callers (each from its own part of the list)."""
     zipf: float = 1.15
     """Exponent of the ids' Zipf law."""
-    distinct: int = 512
-    """Distinct requests the load cycles through (their ids are the working set)."""
+    distinct: int = 4096
+    """Distinct requests the load cycles through: their ids are the working set (at the
+    Kaggle shape 512 touch 260 MiB of the 773 MiB int8 tables, 4096 touch 686 MiB)."""
     confine: bool = True
-    """Also serve with the workers' table reads confined by a cgroup (needs root)."""
+    """Also serve with the replica confined by a memory group (needs root)."""
     fractions: list[float] = field(default_factory=lambda: [0.5])
     """Fractions of the int8 table bytes the confined runs allow (the first is the table's
     'confined' column; more map hot-set size to page faults and throughput)."""
@@ -141,25 +160,62 @@ def build(rows: list[int], work: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def zipf_requests(rows: list[int], cfg: ScaleConfig, count: int = 64) -> list[Any]:
-    """``count`` ScoreRequests whose ids follow Zipf(``cfg.zipf``), scattered over each table
-    by a multiplicative hash (the hot ids are not the first rows)."""
+@dataclass
+class Load:
+    """The requests of one size's load runs and the int8 table bytes they touch."""
+
+    requests: list[Any]
+    working_set: int
+    """Bytes of the int8 table pages the requests sent read (:func:`working_set`)."""
+
+
+def zipf_ids(rows: list[int], cfg: ScaleConfig) -> np.ndarray:
+    """``int64[distinct, examples, 26]`` ids following Zipf(``cfg.zipf``), scattered over each
+    table by a multiplicative hash (the hot ids are not the first rows)."""
     rng = np.random.default_rng(0)
-    b, out = cfg.examples, []
-    for _ in range(count):
-        sparse = np.stack([(rng.zipf(cfg.zipf, b) - 1) * 2654435761 % r for r in rows], axis=1)
-        out.append(build_request(rng.integers(0, 100, (b, 13)).astype(np.float32), sparse))
-    return out
+    ranks = rng.zipf(cfg.zipf, (cfg.distinct, cfg.examples, len(rows))) - 1
+    return ranks * 2654435761 % np.asarray(rows, dtype=np.int64)  # wraps: still deterministic
 
 
-def zipf_load(target: str, requests: list[Any]) -> Connect:
-    """The gateway method of serving.bench, cycling through ``requests`` (each caller from
-    its own offset)."""
+def sent(distinct: int, requests: int, concurrency: int) -> np.ndarray:
+    """Indices of the requests a load run sends: caller ``i`` starts at ``i * distinct /
+    concurrency`` (:func:`zipf_load`) and makes one warm-up call and ``run_cell``'s share."""
+    per = max(MIN_PER_CLIENT, math.ceil(requests / concurrency)) + 1
+    starts = np.arange(concurrency) * distinct // concurrency
+    return np.unique((starts[:, None] + np.arange(per)[None, :]) % distinct)
+
+
+def working_set(ids: np.ndarray, rows: list[int]) -> int:
+    """Bytes of the distinct pages of the int8 tables file that ``ids [N, examples, 26]`` read
+    (a row may straddle two pages: both count)."""
+    offsets = np.cumsum([0, *rows[:-1]], dtype=np.int64)
+    first = (ids + offsets) * INT8_ROW
+    pages = np.unique(
+        np.concatenate([(first // PAGE).ravel(), ((first + INT8_ROW - 1) // PAGE).ravel()])
+    )
+    return int(pages.size) * PAGE
+
+
+def make_load(rows: list[int], cfg: ScaleConfig) -> Load:
+    """The ``cfg.distinct`` requests and the working set of those a run sends."""
+    ids = zipf_ids(rows, cfg)
+    rng = np.random.default_rng(1)
+    requests = [build_request(rng.integers(0, 100, (cfg.examples, 13)).astype(np.float32), x)
+                for x in ids]  # fmt: skip
+    used = sent(cfg.distinct, cfg.requests, cfg.concurrency)
+    return Load(requests, working_set(ids[used], rows))
+
+
+def zipf_load(target: str, requests: list[Any], concurrency: int) -> Connect:
+    """The gateway method of serving.bench, cycling through ``requests``: the ``i``-th caller
+    from ``i / concurrency`` of the way through them (:func:`sent`)."""
+    callers = itertools.count()
 
     def connect(_: Any) -> tuple[Any, Any]:
         channel = grpc.insecure_channel(target)
         stub = ranker_pb2_grpc.RankerStub(channel).Score
-        calls = itertools.cycle(requests[random.randrange(len(requests)) :] + requests)
+        start = next(callers) * len(requests) // concurrency
+        calls = itertools.cycle(requests[start:] + requests[:start])
 
         def call() -> int:
             return len(stub(next(calls), timeout=60).scores)
@@ -201,39 +257,38 @@ def _tables_file(pid: int) -> Path:
     raise RuntimeError(f"worker {pid} maps no tables_int8.bin")
 
 
-@contextlib.contextmanager
-def confined(workers: Sequence[int], limit: int) -> Iterator[Path]:
-    """``workers`` in a cgroup v1 memory group of ``limit`` bytes, the tables file dropped from
-    the page cache first (the rows they fault in from then on are charged to the group)."""
-    group = CGROUP / f"recsys-scale-{os.getpid()}"
-    group.mkdir(exist_ok=True)
-    (group / "memory.limit_in_bytes").write_text(str(limit))
-    drop_cached(_tables_file(workers[0]))  # the pages no worker maps now
-    for pid in workers:
-        (group / "cgroup.procs").write_text(str(pid))
-    try:
-        yield group
-    finally:
-        parent = CGROUP / "cgroup.procs"
-        for member in (group / "cgroup.procs").read_text().split():
-            with contextlib.suppress(OSError):
-                parent.write_text(member)
-        group.rmdir()
+def model_files(worker: int, mar: Path) -> list[Path]:
+    """The files of the model TorchServe unpacked for ``worker`` (its tables among them) and
+    the ``.mar``: what start-up read into the page cache."""
+    tables = _tables_file(worker)
+    return [mar, *(p for p in tables.parent.rglob("*") if p.is_file())]
+
+
+def replica_group(label: str, stack: contextlib.ExitStack) -> MemoryGroup | None:
+    """A memory group for one replica (removed after it stops), or None where none can be made."""
+    if memgroup.unavailable():
+        return None
+    group = MemoryGroup(f"recsys-scale-{os.getpid()}-{label}")
+    stack.callback(group.remove)  # registered first: runs after TorchServe has stopped
+    return group
 
 
 def serve(
-    built: dict[str, Any], rows: list[int], cfg: ScaleConfig, work: Path, fraction: float = 0.0
-) -> dict[str, Any]:
-    """The replica behind the gateway: start-up seconds, memory, and the Zipf load's figures;
-    ``fraction`` > 0: its workers' table reads confined to that fraction of the int8 tables."""
+    built: dict[str, Any], rows: list[int], cfg: ScaleConfig, work: Path, load: Load,
+    fraction: float = 0.0,
+) -> dict[str, Any]:  # fmt: skip
+    """The replica behind the gateway, born in a memory group: start-up seconds, memory, and
+    the Zipf load's figures; ``fraction`` > 0: the group limited to its own memory, 64 MiB a
+    worker and that fraction of the int8 tables."""
     ts = on_free_ports(TorchServeConfig(
         model_store=Path(built["store"]), workdir=work, model_name="scale", model_version="1",
         mar_file="scale-1.mar", workers=cfg.workers, response_timeout_s=120,
     ))  # fmt: skip
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"working_set_bytes": load.working_set}
     with contextlib.ExitStack() as stack:
+        group = replica_group(f"{fraction:g}", stack)
         t0 = time.perf_counter()
-        proc = process.start(ts)
+        proc = process.start(ts, cgroup=group.procs if group else None)
         stack.callback(process.stop, proc)
         wait_all_workers(ts, proc, 900)
         out["ready_s"] = time.perf_counter() - t0
@@ -245,18 +300,21 @@ def serve(
         out["serving_s"] = time.perf_counter() - t0
         workers = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
                    if "model_service_worker" in " ".join(p.cmdline())]  # fmt: skip
-        group = None
-        if fraction:  # what they allocate from now on (their memory so far stays charged
-            # where it was: cgroup v1 moves no charge on this kernel), and the tables' share
-            out["fraction"] = fraction
-            out["limit_bytes"] = 64 * 2**20 * len(workers) + int(
-                built["int8_table_bytes"] * fraction
-            )
-            group = stack.enter_context(confined(workers, out["limit_bytes"]))
+        for path in model_files(workers[0], Path(built["store"]) / "scale-1.mar"):
+            drop_cached(path)  # both runs start cold; the group holds the processes' own memory
+        if group is not None:
+            out["own_bytes"] = group.stat()["rss"]  # anonymous: the JVM's and the workers'
+            if fraction:
+                out["fraction"] = fraction
+                out["limit_bytes"] = (out["own_bytes"] + SLACK * len(workers)
+                                      + int(built["int8_table_bytes"] * fraction))  # fmt: skip
+                group.limit(out["limit_bytes"])
+            else:
+                group.reset()
         faults = _major_faults(workers)
-        load = zipf_load(target, zipf_requests(rows, cfg, cfg.distinct))
+        connect = zipf_load(target, load.requests, cfg.concurrency)
         shape = SimpleNamespace(examples=cfg.examples)
-        lat, wall, errors = run_cell(load, shape, cfg.concurrency, cfg.requests)  # type: ignore[arg-type]
+        lat, wall, errors = run_cell(connect, shape, cfg.concurrency, cfg.requests)  # type: ignore[arg-type]
         group_pids = [p.pid for p in process.group_members(proc.pid)]
         lookups = len(lat) * cfg.examples * len(rows)
         out.update(
@@ -268,7 +326,10 @@ def serve(
             failed=len(errors), first_error=errors[0] if errors else "",
         )  # fmt: skip
         if group is not None:
-            out["peak_bytes"] = int((group / "memory.max_usage_in_bytes").read_text())
+            stat = group.stat()
+            out.update(peak_bytes=group.read("max_usage_in_bytes"), failcnt=group.read("failcnt"),
+                       end_rss_bytes=stat["rss"], end_cache_bytes=stat["cache"])  # fmt: skip
+            out["filled"] = bool(fraction) and out["failcnt"] > 0
     return out
 
 
@@ -277,67 +338,41 @@ def one_size(total: int, cfg: ScaleConfig) -> dict[str, Any]:
     work = cfg.work / f"rows-{sum(rows)}"
     work.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"rows": sum(rows), **build(rows, work)}
-    result["serve"] = serve(result, rows, cfg, work / "ts")
-    if cfg.confine and os.access(CGROUP, os.W_OK):
-        result["sweep"] = [serve(result, rows, cfg, work / f"ts-{f}", f) for f in cfg.fractions]
-        result["confined"] = result["sweep"][0]
+    load = make_load(rows, cfg)
+    result["serve"] = serve(result, rows, cfg, work / "ts", load)
+    why = memgroup.unavailable()
+    if cfg.confine and why:
+        result["confined"] = {"skipped": why}
     elif cfg.confine:
-        result["confined"] = {"skipped": f"{CGROUP} is not writable (needs root)"}
+        result["sweep"] = [confined_run(result, rows, cfg, work, load, f) for f in cfg.fractions]
+        result["confined"] = result["sweep"][0]
     return result
 
 
-def table(results: list[dict[str, Any]]) -> str:
-    gb = 2**30
-    head = ("rows", "fp32 GB", "export s", "peak RSS", "disk GB", "ready s", "SERVING s",
-            "PSS/worker", "total PSS", "ex/s", "p99 ms", "confined ex/s", "p99", "failed")  # fmt: skip
-    lines = [" | ".join(head)]
-    for r in results:
-        s, c = r["serve"], r.get("confined", {})
-        lines.append(" | ".join([
-            f"{r['rows'] / 1e6:.1f}M", f"{r['fp32_table_bytes'] / gb:.2f}", f"{r['export_s']:.0f}",
-            f"{r['export_peak_rss'] / gb:.2f}", f"{r['disk_bytes'] / gb:.2f}",
-            f"{s['ready_s']:.0f}", f"{s['serving_s']:.0f}",
-            "/".join(f"{w / gb:.2f}" for w in s["worker_pss"]), f"{s['total_pss'] / gb:.2f}",
-            f"{s['examples_per_s']:,.0f}", f"{s['p99_ms']:.0f}",
-            f"{c.get('examples_per_s', 0):,.0f}", f"{c.get('p99_ms') or 0:.0f}",
-            f"{s['failed']}/{c.get('failed', '-')}",
-        ]))  # fmt: skip
-    return "\n".join(lines)
-
-
-def plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    gb = 2**30
-    x = [r["fp32_table_bytes"] / gb for r in results]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, label in (
-        ("export_peak_rss", "export peak RSS"),
-        ("disk_bytes", "export + .mar on disk"),
-    ):
-        a.plot(x, [r[key] / gb for r in results], "o-", label=label)
-    a.plot(
-        x, [r["serve"]["total_pss"] / gb for r in results], "o-", label="replica PSS (all workers)"
-    )
-    a.plot(x, x, "k:", label="fp32 tables")
-    a.set(xlabel="fp32 table GiB", ylabel="GiB", title="cost vs table size")
-    a.legend()
-    b.plot(x, [r["serve"]["examples_per_s"] for r in results], "o-", label="unconfined")
-    b.plot(x, [r.get("confined", {}).get("examples_per_s", np.nan) for r in results], "o-",
-           label="half the tables in memory")  # fmt: skip
-    b.set(xlabel="fp32 table GiB", ylabel="examples/s", title="serving through the gateway (Zipf)")
-    b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def confined_run(
+    built: dict[str, Any],
+    rows: list[int],
+    cfg: ScaleConfig,
+    work: Path,
+    load: Load,
+    fraction: float,
+) -> dict[str, Any]:
+    """:func:`serve` confined to ``fraction``, unless the working set fits in its share (the
+    limit could not bind: a skipped row saying so, nothing measured)."""
+    room = int(built["int8_table_bytes"] * fraction) + SLACK * cfg.workers
+    if load.working_set <= room:
+        mib = 2**20
+        return {"fraction": fraction, "working_set_bytes": load.working_set, "skipped": (
+            f"the requests' working set ({load.working_set / mib:.0f} MiB of int8 table pages) "
+            f"fits in the group's {room / mib:.0f} MiB beyond the replica's own memory: raise "
+            "--distinct or lower --fractions")}  # fmt: skip
+    return serve(built, rows, cfg, work / f"ts-{fraction:g}", load, fraction)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point (``make bench-scale``)."""
     try:
-        cfg = parse(ScaleConfig, argv, "python -m serving.bench.scale", __doc__.split("\n\n")[0])
+        cfg = parse(ScaleConfig, argv, "python -m serving.bench.scale", HELP)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -349,6 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         (cfg.out / "scale.json").write_text(json.dumps(results, indent=2))
         print(table(results[-1:]).splitlines()[-1], flush=True)
     print(table(results))
+    print(confined_table(results))
+    print("\n".join(closing(r) for r in results))
     plot(results, cfg.out / "scale.png")
     print(f"wrote {cfg.out / 'scale.json'} and {cfg.out / 'scale.png'}")
     return 0

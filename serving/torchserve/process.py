@@ -45,25 +45,38 @@ def torchserve_command(cfg: TorchServeConfig, properties: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def start(cfg: TorchServeConfig) -> subprocess.Popen[bytes]:
+def start(cfg: TorchServeConfig, cgroup: Path | None = None) -> subprocess.Popen[bytes]:
     """Start TorchServe in its own process group, in ``cfg.workdir``; returns at once.
 
     ``cfg`` names its model (see ``config.resolve_model``). Call ``wait_ready`` next. The group
-    (launcher, java, Python workers) is what ``stop`` ends.
+    (launcher, java, Python workers) is what ``stop`` ends. ``cgroup``: a control group's
+    ``cgroup.procs`` file that TorchServe is born in (see :func:`launch`).
     """
     if not (cfg.model_name and cfg.model_version):
         raise ValueError("TorchServeConfig without a model name/version: resolve_model(cfg) first")
     properties = write_properties(cfg).resolve()
     # the handler splits the cores among the workers
-    return launch(cfg, properties, {"RECSYS_WORKERS": str(cfg.worker_count())})
+    return launch(cfg, properties, {"RECSYS_WORKERS": str(cfg.worker_count())}, cgroup)
+
+
+def born_in(cgroup: Path, cmd: list[str]) -> list[str]:
+    """``cmd`` run by a shell that first writes its own pid into ``cgroup`` (a group's
+    ``cgroup.procs``) and then execs it: the process and all it forks start inside the group,
+    so every page they touch is charged there (a process moved in later keeps what it held
+    charged where it was). The exec keeps the pid; the command line becomes ``cmd``'s."""
+    return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup), *cmd]
 
 
 def launch(
-    cfg: TorchServeConfig, properties: Path, env: dict[str, str | None] | None = None
+    cfg: TorchServeConfig,
+    properties: Path,
+    env: dict[str, str | None] | None = None,
+    cgroup: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """``torchserve`` with ``properties`` in ``cfg.workdir``, isolated from other instances on
     the machine (pid file, worker sockets, logs), in a new session; ``env``: variables to set
-    for it (None = unset)."""
+    for it (None = unset); ``cgroup``: started inside that group (:func:`born_in`; its
+    ``Popen.args`` are then the shell's, so :func:`started_identity` is not for it)."""
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         raise FileNotFoundError("java not found: TorchServe 0.12 needs Java 17 (or set JAVA_HOME)")
     workdir = cfg.workdir.resolve()
@@ -87,8 +100,9 @@ def launch(
         else:
             child_env[name] = value
     with open(cfg.log_file.resolve(), "ab") as log:  # the child keeps its own descriptor
+        cmd = torchserve_command(cfg, properties)
         proc = subprocess.Popen(
-            torchserve_command(cfg, properties),
+            born_in(cgroup, cmd) if cgroup else cmd,
             cwd=workdir,  # TorchServe writes key_file.json into its working directory
             env=child_env,
             stdin=subprocess.DEVNULL,

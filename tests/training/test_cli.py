@@ -121,7 +121,7 @@ def test_export_help_documents_every_field_and_keeps_the_flag_spellings() -> Non
     for flag in (
         "--run-dir", "--checkpoint", "--formats", "--cpu-variant", "--name", "--version",
         "--model-store", "--handler", "--parity-rows", "--eval-data", "--force", "--overwrite",
-        "--no-progress", "--no-archive", "--config",
+        "--no-progress", "--no-archive", "--config", "--latency",
     ):  # fmt: skip
         assert flag in text, flag
     assert "{int8,fp16,fp32,torchscript,portable,pt2,onnx,aoti}" in text

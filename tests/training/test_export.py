@@ -68,7 +68,15 @@ def test_export_writes_variants_schema_parity_and_mar(exported: tuple[Path, Path
         "modelName": "dlrm-tiny", "serializedFile": "mapped_int8.pt", "handler": "handler.py",
         "modelVersion": "1.0",
     }  # fmt: skip
-    assert "batch 512" in report and "|ΔAUC| int8" in report
+    assert "|ΔAUC| int8" in report
+    # parity's cost: each model scored the rows once, printed; no latency loop unless asked
+    assert set(parity["seconds"]) == {"eager", "fp32", "int8", "fp16"} and "latency" not in parity
+    assert "parity: 2,000 held-out rows, each model once (eager " in report
+    assert "latency not measured (--latency)" in report and "batch 512" not in report
+    timings = json.loads((export / "timings.json").read_text())
+    assert list(timings) == ["variants_s", "parity_s", "schema_s", "archive_s"]
+    with np.load(export / "sample.npz") as sample:  # sliced from parity's scores, not redone
+        assert sample["probs_int8"].shape == (1000,) and sample["labels"].shape == (1000,)
 
 
 FRESH = textwrap.dedent(
@@ -254,21 +262,28 @@ def test_formats_on_request_export_and_serve_that_variant(
     np.testing.assert_allclose(p, s[f"probs_{cpu}"], atol=1e-6, rtol=0)
 
 
-def test_failed_parity_exports_nothing_unless_forced(
+def test_a_corrupt_table_fails_parity_and_exports_nothing_unless_forced(
     trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    # The real exporter with the AUC limit at 0: the int8 variant (|ΔAUC| > 0 on these rows)
-    # now fails its parity check, as a worse quantization would.
-    from training.export import parity
+    """A broken export: the int8 writer puts C1's rows in reverse order (an offset bug), the
+    other formats are right. Parity, each model scoring the rows once, must refuse it."""
+    from recsys_model.mapped import TableWriter
     from training.export.__main__ import main
 
-    monkeypatch.setattr(parity, "MAX_AUC_DROP_QUANT", 0.0)
+    write = TableWriter.write
+
+    def reversed_first_table(self: TableWriter, start: int, rows: torch.Tensor) -> None:
+        write(self, start, rows.flip(0) if self.fmt == "int8" and start == 0 else rows)
+
+    monkeypatch.setattr(TableWriter, "write", reversed_first_table)
     run, store = _copy_run(trained, tmp_path / "run"), tmp_path / "store"
     args = ["--no-progress", "--run-dir", str(run), "--model-store", str(store)]
     assert main(args) == 2
     errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1 and "parity failed on" in errors[0], errors
+    print(errors)
+    assert len(errors) == 1 and "parity failed on 2000 rows" in errors[0], errors
     assert "|ΔAUC| int8 vs eager" in errors[0] and "(--force exports anyway)" in errors[0]
+    assert "fp16" not in errors[0]  # the formats written right pass
     assert _store_listing(store) == [] and not (run / "export").exists()
     assert main([*args, "--force"]) == 0
     report = json.loads((run / "export" / "parity.json").read_text())

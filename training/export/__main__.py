@@ -40,23 +40,25 @@ def format_report(summary: dict[str, Any]) -> str:
             f"{ref:<{w}} {'':>9} {'':>9}  {parity['auc'][ref]:.5f}   "
             f"(reference, {parity['rows']} rows)"
         )
-    lines.append("")
-    lines.append("in-process latency, ms (p50 / p99)")
-    lat = parity["latency"]
-    batches = list(next(iter(lat.values())))
-    lines.append(f"{'model':<{w}} " + "".join(f"{'batch ' + b:>18}" for b in batches))
-    for model, per in lat.items():
-        lines.append(
-            f"{model:<{w}} "
-            + "".join(f"{per[b]['p50_ms']:>9.2f} / {per[b]['p99_ms']:<6.2f}" for b in batches)
-        )
-    if "portable_onnx" in lat and "100" in lat["portable_onnx"]:
+    lines += ["", cost_line(parity, summary.get("timings", {}))]
+    lat = parity.get("latency")
+    if lat:
+        lines += ["", "in-process latency, ms (p50 / p99)"]
+        batches = list(next(iter(lat.values())))
+        lines.append(f"{'model':<{w}} " + "".join(f"{'batch ' + b:>18}" for b in batches))
+        for model, per in lat.items():
+            lines.append(
+                f"{model:<{w}} "
+                + "".join(f"{per[b]['p50_ms']:>9.2f} / {per[b]['p99_ms']:<6.2f}" for b in batches)
+            )
+    if lat and "portable_onnx" in lat and "100" in lat["portable_onnx"]:
         ratio = lat["portable_onnx"]["100"]["p50_ms"] / lat["fp32"]["100"]["p50_ms"]
         lines.append(f"ONNX (onnxruntime) / mapped fp32 at batch 100: {ratio:.2f}x")
     serving = schema.get("serving", {})
     if serving:
+        fastest = f" (fastest here: {serving.get('fastest_cpu')})" if lat else ""
         lines.append(
-            f"served: cpu {serving['cpu']} (fastest here: {serving.get('fastest_cpu')}), "
+            f"served: cpu {serving['cpu']}{fastest}, "
             f"cuda {serving.get('cuda')} in {serving.get('cuda_dtype')}"
         )
     for c in parity["checks"]:
@@ -64,6 +66,15 @@ def format_report(summary: dict[str, Any]) -> str:
             f"{'ok  ' if c['ok'] else 'FAIL'} {c['check']} = {c['value']:.2e} (limit {c['limit']:.0e})"
         )
     return "\n".join(lines)
+
+
+def cost_line(parity: dict[str, Any], timings: dict[str, float]) -> str:
+    """What the export's stages took, parity's per model: its cost is rows x models."""
+    per = ", ".join(f"{m} {t:.1f} s" for m, t in parity.get("seconds", {}).items())
+    stages = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in timings.items())
+    latency = "" if "latency" in parity else "; latency not measured (--latency)"
+    return (f"parity: {parity['rows']:,} held-out rows, each model once ({per}){latency}\n"
+            f"seconds: {stages} ({sum(timings.values()):.1f} s in all)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
