@@ -23,6 +23,7 @@ OUT ?= reports/$(STAMP)
 LOADTEST_ARGS ?=
 NAME ?=
 VERSION ?=
+CHECKPOINT ?=
 
 .PHONY: setup lock train export serve stop score loadtest demo bench test lint fmt clean help
 help:  ## list targets
@@ -108,9 +109,9 @@ continuous: setup  ## keep RUN fresh on the click logs of DATA_DIR: score each f
 		-m training.continuous --run-dir $(RUN) --data-dir $(DATA_DIR) $(if $(FOLLOW),--follow) \
 		$(if $(or $(wildcard $(RUN)/checkpoints/latest),$(findstring --resume,$(CONTINUOUS_ARGS))),,--config training/configs/$(PRESET).toml) $(CONTINUOUS_ARGS)
 
-export: setup  ## export RUN's latest checkpoint: mapped int8/fp16/fp32 tables (FORMATS='["int8","onnx"]' to choose), parity, .mar
+export: setup  ## export RUN's latest checkpoint (CHECKPOINT=best: the best by held-out AUC): mapped int8/fp16/fp32 tables (FORMATS='["int8","onnx"]' to choose), parity, .mar
 	$(PY) -m training.export --run-dir $(RUN) $(if $(FORMATS),--formats '$(FORMATS)') $(if $(NAME),--name $(NAME)) \
-		$(if $(VERSION),--version $(VERSION)) $(EXPORT_ARGS)
+		$(if $(VERSION),--version $(VERSION)) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(EXPORT_ARGS)
 
 serve: setup  ## start TorchServe + the gRPC gateway for RUN's export in the background; waits until SERVING
 	$(PY) -m serving.tools.supervisor start --gateway.schema $(RUN)/export/schema.json $(SERVE_ARGS)

@@ -1,4 +1,4 @@
-"""ROC AUC, the one definition every stage reports.
+"""ROC AUC, the one definition every stage reports (and NE in numpy: :func:`normalized_entropy`).
 
 Training's evaluation (``training/metrics/log.py``), the export's parity check, the synthetic
 data's oracle, the served model's evaluation (``serving.tools.evaluate``: numpy, no torch) and
@@ -59,3 +59,24 @@ def _torch_ranks(labels: Any, scores: Any) -> tuple[float, int, int]:
 def _check_lengths(labels: int, scores: int) -> None:
     if labels != scores:
         raise ValueError(f"labels and scores differ in length: {labels} vs {scores}")
+
+
+# What TorchRec's NE clamps probabilities (and the base rate) to: NEMetric's default eta.
+NE_ETA = 1e-12
+
+
+def normalized_entropy(labels: Any, probs: Any) -> float:
+    """Log loss of ``probs`` over ``labels`` (numpy ``[N]``) divided by that of predicting
+    their base rate for every row: TorchRec's NE (its clamp, ``NE_ETA``) in numpy. 1.0 = no
+    better than the base rate; lower is better. NaN for no rows."""
+    import numpy as np
+
+    y = np.asarray(labels, dtype=np.float64).reshape(-1)
+    p = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), NE_ETA, 1 - NE_ETA)
+    _check_lengths(y.size, p.size)
+    if y.size == 0:
+        return float("nan")
+    ce = -(y * np.log(p) + (1 - y) * np.log(1 - p)).sum()
+    ctr = min(max(float(y.mean()), NE_ETA), 1 - NE_ETA)
+    norm = -(y.sum() * np.log(ctr) + (y.size - y.sum()) * np.log(1 - ctr))
+    return float(ce / norm)

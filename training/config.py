@@ -152,6 +152,30 @@ class TrainConfig:
     """Seconds a rank waits in one collective (a step's exchange, a checkpoint barrier, rank 0
     preparing data that ``--prepare-only`` did not) before it fails. A rank whose process dies
     is noticed at once (its connections close); this bounds the wait for one that hangs."""
+    monitor: Literal["auc", "ne"] = "auc"
+    """Held-out metric that picks checkpoints/best and drives early stopping: auc (higher is
+    better) or ne (lower), each evaluation's on the same rows (the first train.eval_rows)."""
+    keep_best: bool = True
+    """Save a checkpoint at each evaluation that improves train.monitor and name it in
+    checkpoints/best; keep_last never deletes it. Export it with --checkpoint best."""
+    early_stop_patience: int = 0
+    """Stop after this many evaluations in a row without an improvement of train.monitor by
+    at least early_stop_min_delta (0 = never stop early; needs train.eval_every)."""
+    early_stop_min_delta: float = 0.0
+    """Early stopping counts an evaluation as an improvement when it betters the best by more."""
+
+
+@dataclass
+class BaselineConfig:
+    enabled: bool = True
+    """After the last step, fit a hashed logistic regression on the model's training rows and
+    report its AUC and NE on the final evaluation's rows, warning when the model loses to it."""
+    hash_bits: int = 20
+    """Its weights: 2^hash_bits, each (field, value) pair hashed into one (dense: log buckets)."""
+    learning_rate: float = 0.1
+    """AdaGrad's learning rate."""
+    passes: int = 1
+    """Passes over the training rows, in the order of the model's first epoch."""
 
 
 @dataclass
@@ -161,6 +185,7 @@ class Config:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    baseline: BaselineConfig = field(default_factory=BaselineConfig)
     name: str = "custom"
     """Preset name, recorded in checkpoints and metrics."""
 
@@ -193,9 +218,19 @@ class Config:
         _positive("train.epochs", t.epochs)
         _positive("train.keep_last", t.keep_last)
         _positive("train.collective_timeout", t.collective_timeout)
-        for name in ("max_steps", "eval_every", "eval_rows", "checkpoint_every"):
+        for name in ("max_steps", "eval_every", "eval_rows", "checkpoint_every",
+                     "early_stop_patience", "early_stop_min_delta"):  # fmt: skip
             if getattr(t, name) < 0:
                 raise ConfigError(f"train.{name} = {getattr(t, name)}: must be >= 0")
+        if t.early_stop_patience and not t.eval_every:
+            raise ConfigError("train.early_stop_patience needs evaluations to compare: set "
+                              "train.eval_every (e.g. train.eval_every=500)")  # fmt: skip
+        b = self.baseline
+        for key, ok, want in [("passes", b.passes >= 1, ">= 1"), ("learning_rate",
+                              b.learning_rate > 0, "> 0"), ("hash_bits", 10 <= b.hash_bits <= 26,
+                              "in [10, 26]")]:  # fmt: skip
+            if not ok:
+                raise ConfigError(f"baseline.{key} = {getattr(b, key)}: must be {want}")
         if self.data.preprocess_processes < 0:
             raise ConfigError(
                 f"data.preprocess_processes = {self.data.preprocess_processes}: "
@@ -299,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_args(
         p,
         resume="'auto' (default): continue from <run-dir>/checkpoints/latest if present; "
-        "'none': start fresh; or a checkpoint directory",
+        "'none': start fresh; 'best', 'latest': what that file names; or a checkpoint directory",
     )
     p.add_argument("--data", help="Criteo TSV file or folder (same as data.path=..., wins over it)")
     p.add_argument(

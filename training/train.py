@@ -3,9 +3,11 @@
 ``main()`` parses and reports errors; ``train()`` does the work as a schedule of named pieces:
 data -> :func:`~training.trainer.build_trainer` (planner -> DMP with the embedding optimizer
 fused into backward) -> :class:`~training.checkpoint.checkpointer.Checkpointer` restore -> the
-TorchRec train pipeline stepped by :class:`~training.step_loop.TrainLoop`, with the
-:class:`~training.metrics.evaluator.Evaluator` (AUC/NE) and the checkpointer called when due.
-Gloo on CPU, NCCL on CUDA.
+TorchRec train pipeline stepped by :class:`~training.step_loop.TrainLoop` in
+:func:`~training.step_loop.run_schedule`, with the :class:`~training.metrics.evaluator.Evaluator`
+(AUC/NE), the :class:`~training.metrics.monitor.Monitor` (the best checkpoint, early stopping)
+and the checkpointer called when due; the final record gets the linear baseline's figures
+(:mod:`training.metrics.baseline`) and the run's warnings. Gloo on CPU, NCCL on CUDA.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +35,18 @@ from training.checkpoint.checkpointer import Checkpointer
 from training.checkpoint.peers import EXIT_PEER_LOST, lost_peer
 from training.checkpoint.peers import message as peer_lost_message
 from training.config import Config, RunArgs, config_to_dict, parse_args
-from training.data.loader import Arrays, ReadLedger, TrainStream
+from training.data.loader import Arrays, ReadLedger, TrainStream, epoch_order
 from training.data.prep import prepare_data
 from training.errors import DataError, RecsysError
+from training.metrics.baseline import fit_and_score
+from training.metrics.baseline import judge as judge_baseline
 from training.metrics.evaluator import Evaluator
 from training.metrics.log import MetricsLog
+from training.metrics.monitor import Monitor
 from training.metrics.tb import for_run as scalars_for_run
 from training.sharding import format_plan
-from training.step_loop import TrainLoop
-from training.trainer import Trainer, build_trainer, make_pipeline, unwrapped_model
+from training.step_loop import TrainLoop, run_schedule
+from training.trainer import Trainer, build_trainer, make_pipeline
 
 logger = logging.getLogger("training")
 
@@ -191,52 +196,6 @@ def make_loop(
     )
 
 
-def run_schedule(
-    loop: TrainLoop,
-    trainer: Trainer,
-    evaluator: Evaluator,
-    checkpointer: Checkpointer,
-    judge: Callable[[dict[str, Any]], list[str]] = lambda record: [],
-) -> None:
-    """Step to ``loop.total``, evaluating and checkpointing when due; then a final evaluation
-    (on the whole eval split) and checkpoint unless the last step already had them. The final
-    record gets ``judge``'s warnings (``warnings``) before it is saved with the checkpoint."""
-    progress = loop.progress
-    while progress.step < loop.total and loop.step():
-        at_end = progress.step >= loop.total
-        if evaluator.should_evaluate(progress.step, at_end):
-            evaluate(loop, trainer, evaluator, at_end, judge)
-            loop.window.reset()
-        if checkpointer.should_save(progress.step, at_end):
-            loop.window.flush()  # a NaN loss since the last log stops training before the save
-            with loop.window.excluded():
-                checkpointer.save(evaluator.last)
-    loop.bar.close()
-    if not evaluator.evaluated(progress.step):  # the data ran out before `total`
-        evaluate(loop, trainer, evaluator, True, judge)
-    if not checkpointer.saved(progress.step):
-        checkpointer.save(evaluator.last)
-
-
-def evaluate(
-    loop: TrainLoop,
-    trainer: Trainer,
-    evaluator: Evaluator,
-    final: bool,
-    judge: Callable[[dict[str, Any]], list[str]],
-) -> None:
-    """One evaluation; the final one's record (in ``metrics.jsonl`` too) carries ``judge``'s
-    warnings."""
-    model = unwrapped_model(loop.pipeline, trainer)
-    record = evaluator.evaluate(model, loop.progress, loop.window, final=final)
-    warnings = judge(record) if final else []
-    if warnings:
-        record["warnings"] = warnings
-        log = evaluator.log  # the record was written as evaluated: replace it, with them
-        log.truncate_after(record["step"] - 1)
-        MetricsLog(log.path, enabled=log.enabled).write(record)
-
-
 def run_warnings(
     record: dict[str, Any], progress: checkpoint.Progress, stream: TrainStream, cfg: Config
 ) -> list[str]:
@@ -294,27 +253,66 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
         "versions": {"torch": torch.__version__},
     }
     reads = ReadLedger(rank)
-    checkpointer = Checkpointer(run_dir / "checkpoints", trainer, progress, cfg, run_meta, reads)
+    monitor = Monitor.from_config(cfg.train)
+    checkpointer = Checkpointer(
+        run_dir / "checkpoints", trainer, progress, cfg, run_meta, reads, monitor
+    )
     if resume_from is not None:
         assert meta is not None
         checkpointer.restore(resume_from, meta, rank)
+    else:
+        checkpointer.forget_best(rank)
 
     stream, total = train_stream(cfg, train_arrays, progress, rank, world, reads)
     metrics_log, loss_log = open_logs(run_dir, cfg, progress.step, rank)
     evaluator = Evaluator(cfg, eval_arrays, metrics_log, rank, world)
     show_bar = rank == 0 and args.progress
     loop = make_loop(cfg, trainer, device, stream, progress, total, loss_log, show_bar)
-    run_schedule(
-        loop, trainer, evaluator, checkpointer, lambda r: run_warnings(r, progress, stream, cfg)
-    )
+
+    def finish(record: dict[str, Any]) -> None:  # the final record, before it is written
+        if cfg.baseline.enabled and rank == 0:
+            record.update(fit_baseline(cfg, stream, progress.step, evaluator.full))
+        warnings = run_warnings(record, progress, stream, cfg) + judge_baseline(record)
+        if warnings:
+            record["warnings"] = warnings
+
+    run_schedule(loop, trainer, evaluator, checkpointer, monitor, finish)
     if rank == 0:
         from training.metrics.plot import plot_run
 
         logger.info("training rows read by each rank: %s", format_reads(checkpointer.reads))
         logger.info("learning curves: %s", plot_run(run_dir))
-        for warning in evaluator.last.get("warnings", []):  # last: what a user reads at the end
+        for line in end_lines(evaluator.last, run_dir, cfg):  # last: what a user reads
+            logger.info("%s", line)
+        for warning in evaluator.last.get("warnings", []):
             logger.warning("%s", warning)
     return evaluator.last
+
+
+def fit_baseline(cfg: Config, stream: TrainStream, steps: int, held_out: Arrays) -> dict[str, Any]:
+    """The baseline (:mod:`training.metrics.baseline`) fitted on the rows the model trained
+    on (the first epoch's order, as far as ``steps`` went; later epochs reread them), scored
+    on ``held_out``."""
+    rows = min(steps, stream.steps_per_epoch) * stream.global_batch
+    order = epoch_order(len(stream.arrays), cfg.train.seed, 0)[:rows]
+    return fit_and_score(stream.arrays, order, held_out, cfg.baseline)
+
+
+def end_lines(final: dict[str, Any], run_dir: Path, cfg: Config) -> list[str]:
+    """What the end of a run says beside its final record: an early stop and why, and the
+    best checkpoint when it is not the last (with the command that exports it)."""
+    lines = [final["stopped_early"]] if final.get("stopped_early") else []
+    best = final.get("best") or {}
+    if best.get("step") not in (None, final.get("step")):
+        metric = best["monitor"]
+        last = final.get(f"subset_{metric}", final.get(metric, math.nan))
+        lines.append(
+            f"best checkpoint: {run_dir / 'checkpoints' / best['checkpoint']} (eval "
+            f"{metric.upper()} {best['value']:.4f} at step {best['step']}; the last, step "
+            f"{final['step']}: {last:.4f}, on the same rows); export it: make export "
+            f"PRESET={cfg.name} RUN={run_dir} CHECKPOINT=best"
+        )
+    return lines
 
 
 def format_reads(reads: list[dict[str, Any]]) -> str:

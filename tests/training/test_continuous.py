@@ -119,6 +119,12 @@ def test_each_file_is_scored_before_it_is_trained(cont: tuple[Path, Path, Path])
         assert f["segments"] == [[0, STEPS_PER_DAY * 256]] and f["done"]
     assert [r["step"] for r in prog] == [d * STEPS_PER_DAY for d in range(DAYS)]
     assert prog[0]["auc"] < 0.6 < prog[1]["auc"]  # an untrained model, then one of a day
+    # the linear baseline, fitted on the days trained, scored on the same rows before each
+    # new day (none before the first: it has seen nothing); its state is in the checkpoints
+    assert "baseline_auc" not in prog[0]
+    assert all(0.6 < r["baseline_auc"] < 1 and 0 < r["baseline_ne"] < 1 for r in prog[1:])
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert (run / "checkpoints" / latest / "baseline.npz").is_file()
 
 
 def test_a_malformed_file_is_rejected_and_the_loop_goes_on(cont: tuple[Path, Path, Path]) -> None:
@@ -153,6 +159,7 @@ def test_tensorboard_scalars(cont: tuple[Path, Path, Path]) -> None:
     files = scalars(run / "tb" / "files")
     assert [s for s, _ in files["progressive/auc"]] == list(range(DAYS))
     assert {"progressive/ne", "progressive/calibration", "rollout/promoted"} <= set(files)
+    assert [s for s, _ in files["progressive/baseline_auc"]] == list(range(1, DAYS))
     prog = read_metrics(run / "progressive.jsonl")
     assert [round(v, 5) for _, v in files["progressive/auc"]] == [round(r["auc"], 5) for r in prog]
     loss = scalars(run / "tb")["train/loss"]
@@ -228,6 +235,7 @@ def test_kill_mid_file_resumes_without_training_a_row_twice(
     # the model after the interrupted day is the uninterrupted run's: the same next-day AUC
     fresh = read_metrics(cont[0] / "progressive.jsonl")[1]
     assert prog[1]["auc"] == pytest.approx(fresh["auc"], abs=1e-6)
+    assert prog[1]["baseline_auc"] == fresh["baseline_auc"]  # its baseline too, exactly
     # new rows renamed in under a consumed name: a new file (said loudly), never skipped
     for ext in (".prob.npy", ".tsv"):
         shutil.copy(days / f"day_2{ext}", inbox / f".day_1{ext}.tmp")

@@ -58,12 +58,23 @@ def test_two_rank_run_learns_and_records(run_a: Path) -> None:
     assert evals[-1]["ne"] < 1.0
     losses = _losses(run_a)
     assert losses[60] < losses[10]
+    # the linear baseline beside the final figures: the rows trained (60 x 256), the same
+    # held-out rows; and the best evaluation's checkpoint named by checkpoints/best
+    final = evals[-1]
+    assert final["final"] and final["baseline_train_rows"] == 60 * 256
+    assert 0.6 < final["baseline_auc"] < 1 and 0 < final["baseline_ne"] < 1, final
+    best = max(evals, key=lambda e: e["auc"])["step"]
+    assert (ckpts / "best").read_text().strip() == f"step_{best:08d}"
+    assert final["best"]["step"] == best
+    meta = json.loads((ckpts / f"step_{best:08d}" / "meta.json").read_text())
+    assert meta["monitor"]["best_step"] == best
 
 
 def test_tensorboard_scalars_are_the_logs(run_a: Path) -> None:
     steps = _scalar_steps(run_a)
     for tag in ("eval/auc", "eval/ne", "eval/samples_per_sec", "eval/train_loss"):
         assert steps[tag] == [30, 60], (tag, steps)
+    assert steps["eval/baseline_auc"] == steps["eval/baseline_ne"] == [60]
     assert steps["train/loss"] == sorted(_losses(run_a)) == [10, 20, 30, 40, 50, 60]
 
 

@@ -9,6 +9,7 @@ from. The on-disk format lives in :mod:`training.checkpoint.store`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from training.checkpoint.store import Progress
 from training.config import Config
 from training.data.loader import ReadLedger
 from training.features import SPARSE_NAMES, table_name
+from training.metrics.monitor import Monitor
 from training.trainer import Trainer
 
 logger = logging.getLogger("training")
@@ -30,6 +32,10 @@ class Checkpointer:
     ``meta`` (config, world size, data, versions) is recorded with every save, together with
     the latest evaluation record and, given ``reads``, every rank's :class:`ReadLedger` record
     (``reads``: where each rank ran and which training rows it read; also ``self.reads``).
+    Given ``monitor`` (:class:`~training.metrics.monitor.Monitor`), its state is recorded
+    (``monitor``) and restored, and ``checkpoints/best`` kept naming the best of this run.
+    ``files(folder)`` writes rank 0's own files into each checkpoint (the continuous loop's
+    baseline).
     """
 
     def __init__(
@@ -40,9 +46,11 @@ class Checkpointer:
         cfg: Config,
         meta: dict[str, Any],
         reads: ReadLedger | None = None,
+        monitor: Monitor | None = None,
+        files: Callable[[Path], None] | None = None,
     ) -> None:
         self.root, self.trainer, self.progress, self.meta = root, trainer, progress, meta
-        self.ledger = reads
+        self.ledger, self.monitor, self.files = reads, monitor, files
         self.reads: list[dict[str, Any]] = []  # every rank's ledger record at the last save
         self.every = cfg.train.checkpoint_every
         self.keep_last = cfg.train.keep_last
@@ -58,6 +66,8 @@ class Checkpointer:
         self.progress.load_state_dict(meta["progress"])
         if path.parent == self.root:  # resuming in place: this step needs no second save
             self.last_saved = self.progress.step
+        if self.monitor is not None:
+            self._restore_best(meta.get("monitor") if path.parent == self.root else None, rank)
         if rank == 0:
             p = self.progress
             logger.info("resumed from %s at step %d (epoch %d)", path, p.step, p.epoch)
@@ -66,6 +76,29 @@ class Checkpointer:
                     "optimizer state not restored (its sharding kind changed): %s", skipped
                 )
 
+    def _restore_best(self, state: dict[str, Any] | None, rank: int) -> None:
+        """The monitor as the checkpoint left it, ``best`` naming its best again (what a
+        later save made best is of steps this run redoes). A best whose directory is gone, or
+        another run's (a checkpoint resumed from elsewhere), is dropped: this run's next
+        evaluation is its first best."""
+        assert self.monitor is not None
+        self.monitor.load_state_dict(state)
+        step = self.monitor.best_step
+        if step is not None and not checkpoint.is_complete(
+            self.root / checkpoint.step_dir_name(step)
+        ):
+            if rank == 0:
+                logger.warning("the best checkpoint (step %d) is gone; best starts afresh", step)
+            self.monitor.reset()
+            step = None
+        if rank == 0:
+            checkpoint.set_best(self.root, step)
+
+    def forget_best(self, rank: int) -> None:
+        """A fresh start: a ``best`` left by an earlier run in ``root`` names none of this run."""
+        if rank == 0 and self.root.is_dir():
+            checkpoint.set_best(self.root, None)
+
     def should_save(self, step: int, at_end: bool) -> bool:
         return bool(self.every and step % self.every == 0) or at_end
 
@@ -73,9 +106,12 @@ class Checkpointer:
         """Whether ``root`` already holds a checkpoint of ``step``."""
         return self.last_saved == step
 
-    def save(self, metrics: dict[str, Any]) -> None:
-        """Collective: a complete checkpoint of the current step (see :func:`checkpoint.save`)."""
+    def save(self, metrics: dict[str, Any], best: bool = False) -> None:
+        """Collective: a complete checkpoint of the current step (see :func:`checkpoint.save`),
+        named ``best`` too when ``best``."""
         extra: dict[str, Any] = {"metrics": metrics}
+        if self.monitor is not None:
+            extra["monitor"] = self.monitor.state_dict()
         if self.ledger is not None:
             self.reads = self._gather(self.ledger.record())
             extra["reads"] = self.reads
@@ -86,6 +122,8 @@ class Checkpointer:
             {**self.meta, **extra},
             self.trainer.plan,
             self.keep_last,
+            best=best,
+            files=self.files,
         )
         self.last_saved = self.progress.step
 

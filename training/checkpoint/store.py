@@ -6,6 +6,7 @@ Layout under ``<run>/checkpoints/``::
     step_00000200.partial/  being written (or left by a killed save; ignored, then removed)
     step_00000100.old/      the previous step_00000100 while a re-save of that step swaps in
     latest                  text file naming the newest complete step directory
+    best                    text file naming the best one by held-out metric (training.step_loop)
 
 Every rank writes its own shards into ``step_N.partial``; only after DCP has written the
 metadata and every rank has passed a barrier does rank 0 rename the directory and replace
@@ -17,6 +18,8 @@ and only then is ``step_N.old`` deleted. ``latest`` keeps naming ``step_N`` thro
 :func:`read_latest` takes ``step_N.old`` while ``step_N`` is missing or incomplete, so at every
 instant ``latest`` resolves to a complete checkpoint (the old one until the second rename, the
 new one after). The next save puts back or deletes whatever an interrupted swap left.
+``best`` is written like ``latest`` (by the save that makes a best checkpoint, after the rename)
+and read the same way; pruning to ``keep_last`` never deletes what either names.
 
 Loading goes through DCP, which reshards onto whatever world size and plan the resuming job
 has. One state TorchRec does not reshard by itself: the row-wise Adagrad accumulator of a
@@ -27,6 +30,7 @@ exactly the accumulator a full-row table would have), in :mod:`training.checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,6 +38,7 @@ import re
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,8 @@ from training.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
+BEST = "best"
+POINTERS = (LATEST, BEST)  # the names --resume and export's --checkpoint take as well as a path
 META = "meta.json"
 PLAN = "plan.json"
 PARTIAL = ".partial"
@@ -138,8 +145,12 @@ def save(
     meta: dict[str, Any],
     plan: list[dict[str, Any]],
     keep_last: int,
+    best: bool = False,
+    files: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Collective: every rank writes its shards of ``state``; returns the complete directory."""
+    """Collective: every rank writes its shards of ``state`` (rank 0 also ``files(folder)``,
+    its own files); returns the complete directory, named by ``latest`` and, when ``best``,
+    by ``best`` too."""
     final = root / step_dir_name(progress.step)
     tmp = root / (final.name + PARTIAL)
     if _rank() == 0:
@@ -153,6 +164,8 @@ def save(
         record = {**meta, "progress": progress.__dict__, "saved_at": time.time()}
         _write_atomic(tmp / META, json.dumps(record, indent=2, sort_keys=True))
         _write_atomic(tmp / PLAN, json.dumps(plan, indent=2))
+        if files is not None:
+            files(tmp)
     _barrier()  # every rank's shards are on disk
     if _rank() == 0:
         if os.environ.get(KILL_IN_SAVE_ENV) == str(progress.step):
@@ -167,6 +180,8 @@ def save(
         os.replace(tmp, final)
         _fsync_dir(root)
         _write_atomic(root / LATEST, final.name + "\n")
+        if best:
+            _write_atomic(root / BEST, final.name + "\n")
         shutil.rmtree(old, ignore_errors=True)
         _prune(root, keep_last)
         logger.info("checkpoint %s saved in %.1fs", final, time.perf_counter() - t0)
@@ -195,9 +210,12 @@ def _recover(root: Path) -> None:
 
 
 def _prune(root: Path, keep_last: int) -> None:
-    latest = read_latest(root)
+    kept = set()
+    for name in POINTERS:
+        with contextlib.suppress(CheckpointError):  # names a missing directory: keeps nothing
+            kept.add(read_pointer(root, name))
     for p in complete_checkpoints(root)[:-keep_last]:
-        if p != latest:
+        if p not in kept:
             shutil.rmtree(p, ignore_errors=True)
     for p in root.glob("step_*" + PARTIAL):
         shutil.rmtree(p, ignore_errors=True)
@@ -205,7 +223,22 @@ def _prune(root: Path, keep_last: int) -> None:
 
 def read_latest(root: Path) -> Path | None:
     """The complete checkpoint that ``latest`` names, or None when there is no ``latest``."""
-    pointer = root / LATEST
+    return read_pointer(root, LATEST)
+
+
+def set_best(root: Path, step: int | None) -> None:
+    """Point ``best`` at ``step``'s directory, or remove it (``None``): rank 0, when a resume
+    or a fresh start changes which checkpoint of ``root`` is the best of this run."""
+    if step is not None:
+        _write_atomic(root / BEST, step_dir_name(step) + "\n")
+    else:
+        (root / BEST).unlink(missing_ok=True)
+
+
+def read_pointer(root: Path, name: str) -> Path | None:
+    """The complete checkpoint that the pointer file ``name`` (``latest``, ``best``) names, or
+    None when there is no such file."""
+    pointer = root / name
     if not pointer.is_file():
         return None
     target = root / pointer.read_text().strip()
@@ -215,16 +248,23 @@ def read_latest(root: Path) -> Path | None:
         return _aside(target)
     if not is_complete(target):
         raise CheckpointError(
-            f"{pointer} names {target.name}, which is missing or incomplete; "
-            f"pass --resume <a step directory> or --resume none"
+            f"{pointer} names {target.name}, which is missing or incomplete; name a step "
+            "directory instead (--resume DIR, export's --checkpoint DIR) or --resume none"
         )
     return target
 
 
 def resolve(resume: str, root: Path) -> Path | None:
-    """``auto`` -> latest (or None for a fresh run), ``none`` -> None, else a checked path."""
+    """``auto`` -> latest (or None for a fresh run), ``none`` -> None, ``latest`` / ``best``
+    -> what that pointer names (an error without one), else a checked path."""
     if resume == "none":
         return None
+    if resume in POINTERS:
+        if (path := read_pointer(root, resume)) is None:
+            raise CheckpointError(
+                f"{root} has no '{resume}' checkpoint (no {root / resume}): train first"
+            )
+        return path
     if resume == "auto":
         latest = read_latest(root)
         if latest is None and any(root.glob("step_*" + PARTIAL)):

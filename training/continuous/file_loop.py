@@ -38,8 +38,9 @@ from training.continuous import inbox
 from training.continuous.config import ContinuousArgs, ContinuousConfig
 from training.continuous.inbox import FileRecord, Ledger
 from training.continuous.publish import on_rank0, publish, run_id
-from training.data.loader import Arrays, TrainStream
+from training.data.loader import Arrays, TrainStream, epoch_order
 from training.errors import DataError, RecsysError
+from training.metrics import baseline
 from training.metrics.evaluator import evaluate
 from training.metrics.log import MetricsLog, read_metrics
 from training.metrics.tb import Scalars
@@ -98,14 +99,20 @@ class Continuous:
         self.progress = checkpoint.Progress()
         self.meta: dict[str, Any] = {"config": training_config(cfg, None), "world_size": world,
                                      "data": {}, "versions": {"torch": torch.__version__}}  # fmt: skip
+        # the linear baseline (rank 0): scored beside the model, fitted on what it trained
+        on_0 = cfg.baseline.enabled and rank == 0
+        self.baseline = baseline.from_config(cfg.baseline) if on_0 else None
         self.checkpointer = Checkpointer(
-            self.run_dir / "checkpoints", self.trainer, self.progress, cfg, self.meta
-        )
+            self.run_dir / "checkpoints", self.trainer, self.progress, cfg, self.meta,
+            files=self.baseline.save if self.baseline else None,
+        )  # fmt: skip
         self.ledger = Ledger()
         if resume_from is not None:
             assert meta is not None
             self.checkpointer.restore(resume_from, meta, rank)
             self.ledger = Ledger.from_json(meta.get("continuous"))
+            if self.baseline is not None and not self.baseline.load(resume_from):
+                logger.info("%s holds no baseline: it starts afresh", resume_from)
         elif rank == 0:
             logger.info("%s: no checkpoint, a fresh model from the config", self.run_dir)
         if rank == 0:
@@ -226,10 +233,15 @@ class Continuous:
                                "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
         if "oracle_auc" in m:
             rec["oracle_auc"] = m["oracle_auc"]
+        if self.baseline is not None and self.baseline.rows_seen:  # on the same rows
+            rec.update(baseline.score(self.baseline, rows))
+            for warning in baseline.judge({**rec, "eval_rows": rec["rows"]}):
+                logger.warning("%s: %s", record.file, warning)
         self.progressive.write(rec)
         scalars: dict[str, Any] = {
-            k: rec[k] for k in ("auc", "ne", "calibration", "oracle_auc") if k in rec
-        }
+            k: rec[k] for k in ("auc", "ne", "calibration", "oracle_auc", "baseline_auc",
+                                "baseline_ne") if k in rec
+        }  # fmt: skip
         self.tb_files.add("progressive", scalars, record.index)
         self.last_metrics = rec
         if self.rank == 0:
@@ -356,6 +368,9 @@ class Continuous:
             self.file_stats = {}
             if c.learn:
                 self.train(record, arrays, path, info)
+                if self.baseline is not None:  # the rows the model trained, in its order
+                    order = epoch_order(len(arrays), self.cfg.train.seed, record.index)
+                    self.baseline.fit(arrays, order[: record.row])
             record.done = True
             self.ledger.files_since_export += 1
             self.save(path, info)

@@ -143,6 +143,13 @@ class ReadLedger:
         }
 
 
+def epoch_order(rows: int, seed: int, epoch: int) -> np.ndarray:
+    """The order ``int64[rows]`` in which epoch ``epoch`` of a run seeded ``seed`` reads its
+    training rows: what :class:`TrainStream` and the baseline
+    (:mod:`training.metrics.baseline`) both train on."""
+    return np.random.default_rng([seed, epoch]).permutation(rows)
+
+
 class TrainStream:
     """Endless-until-``epochs`` iterator of this rank's training batches (``Batch``).
 
@@ -182,7 +189,7 @@ class TrainStream:
 
     def order(self, epoch: int) -> np.ndarray:
         """Shuffled row order of ``epoch`` (the same on every rank and world size)."""
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.arrays))
+        return epoch_order(len(self.arrays), self.seed, epoch)
 
     def __iter__(self) -> Iterator[Batch]:
         while self.epoch < self.epochs:

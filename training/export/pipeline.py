@@ -72,7 +72,8 @@ class ExportConfig:
     run_dir: Path | None = None
     """Run directory whose checkpoints/latest is exported."""
     checkpoint: Path | None = None
-    """A specific step directory instead of the run's latest."""
+    """A step directory instead of the run's latest, or ``best`` (the run's best by held-out
+    metric: checkpoints/best) or ``latest`` with run_dir."""
     formats: list[Format] = field(default_factory=lambda: list(DEFAULT_FORMATS))
     """What to write (any of: int8, fp16, fp32, torchscript, portable, pt2, onnx, aoti).
     Streamed table by table from the checkpoint (peak memory about the largest table):

@@ -120,7 +120,12 @@ def script_variant(dlrm: DLRM, cfg: Config, variant: Variant) -> torch.jit.Scrip
 
 
 def resolve_checkpoint(run_dir: Path | None, ckpt: Path | None) -> Path:
-    """An explicit checkpoint, else the run's ``latest``."""
+    """An explicit checkpoint directory, ``best`` or ``latest`` of the run's checkpoints (what
+    that pointer names), else the run's ``latest``."""
+    if ckpt is not None and str(ckpt) in checkpoint.POINTERS:
+        if run_dir is None:
+            raise ConfigError(f"--checkpoint {ckpt} names a run's checkpoint: give --run-dir too")
+        return checkpoint.resolve(str(ckpt), run_dir / "checkpoints")  # type: ignore[return-value]
     if ckpt is not None:
         return ckpt
     assert run_dir is not None

@@ -23,9 +23,10 @@ logger = logging.getLogger("training")
 
 
 def evaluate(
-    model: nn.Module, arrays: Arrays, cfg: Config, rank: int, world: int
+    model: nn.Module, arrays: Arrays, cfg: Config, rank: int, world: int, prefix: int = 0
 ) -> dict[str, float]:
-    """AUC, NE (and oracle AUC on synthetic data) over ``arrays``, gathered over all ranks."""
+    """AUC, NE (and oracle AUC on synthetic data) over ``arrays``, gathered over all ranks
+    (and over its first ``prefix`` rows: :meth:`EvalMetrics.compute`)."""
     local_batch = cfg.train.batch_size // world
     metrics = EvalMetrics(local_batch, with_oracle=arrays.prob is not None)
     was_training = model.training
@@ -42,7 +43,7 @@ def evaluate(
             _, (_, logits, labels) = model(batch)
             metrics.update(torch.sigmoid(logits.float().cpu()), labels.cpu(), mb.weights, mb.prob)
     model.train(was_training)
-    return metrics.compute()
+    return metrics.compute(prefix)
 
 
 class Evaluator:
@@ -68,7 +69,14 @@ class Evaluator:
     def evaluate(
         self, model: nn.Module, progress: Progress, window: Window, final: bool
     ) -> dict[str, Any]:
-        """One record: where training stands, its window's loss and rate, the eval metrics."""
+        """:meth:`measure`, then :meth:`record` (collective: every rank calls it)."""
+        return self.record(self.measure(model, progress, window, final))
+
+    def measure(
+        self, model: nn.Module, progress: Progress, window: Window, final: bool
+    ) -> dict[str, Any]:
+        """One record, not written yet: where training stands, its window's loss and rate,
+        the eval metrics (a final one's also on the periodic rows: ``subset_*``)."""
         w = window
         record: dict[str, Any] = {
             "step": progress.step,
@@ -77,13 +85,29 @@ class Evaluator:
             "samples_per_sec": round(w.samples_per_sec() or 0.0, 1) or None,
             "train_loss": mean_over_ranks(w.loss_sum / w.steps) if w.steps else None,
         }
+        if self.last.get("step") == progress.step:  # a final evaluation after an early stop
+            for key in ("samples_per_sec", "train_loss"):  # the window is the periodic one's
+                record[key] = self.last.get(key)
         arrays = self.full if final else self.subset
-        record.update(evaluate(model, arrays, self.cfg, self.rank, self.world))
+        prefix = len(self.subset) if final else 0
+        record.update(evaluate(model, arrays, self.cfg, self.rank, self.world, prefix))
         if "oracle_auc" in record:
             record["auc_vs_oracle"] = record["auc"] / record["oracle_auc"]
+        return record
+
+    def record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Write ``record`` (``metrics.jsonl``, TensorBoard), log it and keep it as ``last``;
+        a record of a step already written (a final evaluation after an early stop's periodic
+        one) replaces it in ``metrics.jsonl``."""
+        if self.last.get("step") == record["step"]:
+            self.log.truncate_after(record["step"] - 1)
         self.log.write(record)
         if self.rank == 0:
-            rounded = {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}
+            rounded = {  # the warnings are said on lines of their own at the end
+                k: round(v, 4) if isinstance(v, float) else v
+                for k, v in record.items()
+                if k not in ("warnings", "stopped_early")
+            }
             logger.info("eval %s", rounded)
         self.last = record
         return record

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torchrec.metrics.metrics_config import RecComputeMode, RecTaskInfo
 from torchrec.metrics.ne import NEMetric
 
-from recsys_stack.metrics import roc_auc
+from recsys_stack.metrics import normalized_entropy, roc_auc
 from training.metrics.tb import Scalars
 
 TASK = RecTaskInfo(
@@ -64,7 +64,10 @@ class EvalMetrics:
             columns.append(oracle_probs)
         self._rows.append(torch.stack([c.detach().float().cpu().reshape(-1) for c in columns]))
 
-    def compute(self) -> dict[str, float]:
+    def compute(self, prefix: int = 0) -> dict[str, float]:
+        """AUC, NE, calibration, rows (and oracle AUC) over every rank's rows; with ``prefix``
+        fewer than them, also ``subset_auc``, ``subset_ne`` and ``subset_rows`` over the first
+        ``prefix`` rows (in the split's order: each rank scores a contiguous share)."""
         local = torch.cat(self._rows, dim=1) if self._rows else torch.zeros(3 + self.with_oracle, 0)
         parts: list[Any] = [local]
         if dist.is_initialized():
@@ -80,6 +83,10 @@ class EvalMetrics:
         ctr = float(labels.float().mean()) if len(labels) else 0.0
         # calibration: mean predicted / observed CTR (1 = calibrated; NaN without a click)
         out["calibration"] = float(table[0][real].mean()) / ctr if ctr > 0 else math.nan
+        if 0 < prefix < len(labels):
+            y, p = labels[:prefix].numpy(), table[0][real][:prefix].numpy()
+            out["subset_auc"], out["subset_ne"] = roc_auc(y, p), normalized_entropy(y, p)
+            out["subset_rows"] = prefix
         return out
 
 

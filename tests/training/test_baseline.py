@@ -1,0 +1,92 @@
+"""The linear baseline (training.metrics.baseline) and the numpy NE it is reported in: in-process,
+on rows with a planted linear click model (what a logistic regression can learn)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recsys_stack.metrics import normalized_entropy
+from training.config import BaselineConfig
+from training.data.loader import Arrays
+from training.features import NUM_DENSE, NUM_SPARSE
+from training.metrics import baseline
+from training.metrics.log import EvalMetrics
+
+
+def planted(n: int, seed: int) -> Arrays:
+    """``n`` rows whose click logit is a sum of per-id effects of 4 fields and of one dense
+    field's log; ids of 50 values (-1 = missing, 5%), raw dense counts."""
+    rng = np.random.default_rng(seed)
+    sparse = rng.integers(0, 50, size=(n, NUM_SPARSE))
+    sparse[rng.random((n, NUM_SPARSE)) < 0.05] = -1
+    dense = rng.poisson(3.0, size=(n, NUM_DENSE)).astype(np.float32)
+    effects = np.random.default_rng(99).normal(0, 1.0, size=(4, 51))  # [field, id + 1]
+    logit = -1.0 + sum(effects[f, sparse[:, f] + 1] for f in range(4)) + np.log1p(dense[:, 0])
+    labels = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.int8)
+    return Arrays(labels, dense, sparse.astype(np.int32), None)
+
+
+def test_it_learns_a_linear_signal_deterministically() -> None:
+    train, held_out = planted(20_000, seed=1), planted(5_000, seed=2)
+    order = np.random.default_rng(0).permutation(len(train))
+    cfg = BaselineConfig(hash_bits=16)
+    first = baseline.fit_and_score(train, order, held_out, cfg)
+    again = baseline.fit_and_score(train, order, held_out, cfg)
+    assert first["baseline_auc"] > 0.75 and first["baseline_ne"] < 0.85, first
+    for key in ("baseline_auc", "baseline_ne"):  # the same rows, the same order: the same bits
+        assert first[key] == again[key]
+    assert first["baseline_train_rows"] == 20_000 and first["baseline_seconds"] < 30
+    # a pass over only a tenth of the rows learns less: it sees what it is given
+    few = baseline.fit_and_score(train, order[:2_000], held_out, cfg)
+    assert few["baseline_auc"] < first["baseline_auc"]
+
+
+def test_features_hash_each_field_and_value_apart() -> None:
+    rows = Arrays(
+        np.zeros(3, np.int8),
+        np.array([[0.0] * NUM_DENSE, [1e9] * NUM_DENSE, [-5.0] * NUM_DENSE], np.float32),
+        np.array([[7] * NUM_SPARSE, [-1] * NUM_SPARSE, [0] * NUM_SPARSE], np.int64),
+        None,
+    )
+    idx = baseline.feature_index(rows, np.arange(3), bits=20)
+    assert idx.shape == (3, NUM_SPARSE + NUM_DENSE) and idx.min() >= 0 and idx.max() < 2**20
+    assert len(set(idx[0, :NUM_SPARSE])) == NUM_SPARSE  # one value, 26 fields: 26 weights
+    assert idx[1, 0] != idx[2, 0]  # a missing id is a value of its own, not id 0
+    assert (idx[2, NUM_SPARSE:] == idx[0, NUM_SPARSE:]).all()  # negative counts are 0's bucket
+    assert (idx[1, NUM_SPARSE:] != idx[0, NUM_SPARSE:]).all()
+
+
+def test_a_saved_baseline_scores_as_it_did(tmp_path: Path) -> None:
+    train, held_out = planted(3_000, seed=1), planted(1_000, seed=2)
+    model = baseline.from_config(BaselineConfig(hash_bits=12))
+    model.fit(train, np.arange(len(train)))
+    model.save(tmp_path)
+    loaded = baseline.from_config(BaselineConfig(hash_bits=12))
+    assert loaded.load(tmp_path) and loaded.rows_seen == 3_000
+    assert np.array_equal(loaded.predict(held_out), model.predict(held_out))
+    assert not baseline.from_config(BaselineConfig(hash_bits=14)).load(tmp_path)  # other bits
+    assert not loaded.load(tmp_path / "nowhere")
+
+
+def test_numpy_ne_is_torchrecs() -> None:
+    rng = np.random.default_rng(5)
+    y = (rng.random(4_000) < 0.3).astype(np.float32)
+    p = np.clip(rng.random(4_000) * 0.6 + 0.1 * y, 0, 1).astype(np.float32)
+    metrics = EvalMetrics(4_000, with_oracle=False)
+    metrics.update(torch.from_numpy(p), torch.from_numpy(y), torch.ones(4_000))
+    assert normalized_entropy(y, p) == pytest.approx(metrics.compute()["ne"], rel=1e-6)
+    assert normalized_entropy(y, np.full(4_000, y.mean())) == pytest.approx(1.0)
+
+
+def test_the_judgement_names_what_the_model_lost() -> None:
+    record = {"auc": 0.80, "ne": 0.85, "eval_rows": 2_000}
+    assert baseline.judge(record) == []  # no baseline figures: nothing to say
+    assert baseline.judge({**record, "baseline_auc": 0.79, "baseline_ne": 0.86}) == []
+    (warning,) = baseline.judge({**record, "baseline_auc": 0.81, "baseline_ne": 0.84})
+    assert "(AUC 0.8000 vs 0.8100, NE 0.8500 vs 0.8400, on the same 2,000 held-out rows)" in warning
+    (warning,) = baseline.judge({**record, "baseline_auc": 0.70, "baseline_ne": 0.80})
+    assert "(NE 0.8500 vs 0.8000," in warning and "AUC" not in warning.split("(")[1]
