@@ -21,7 +21,7 @@ from training.config import build_parser as train_parser
 from training.export.__main__ import build_parser as export_parser
 from training.export.__main__ import main as export_main
 from training.export.__main__ import parse_args as export_args
-from training.export.pipeline import ExportConfig
+from training.export.config import ExportConfig
 
 TINY = "training/configs/tiny.toml"
 

@@ -18,7 +18,7 @@ import torch
 from recsys_model.portable_model import PortableScorer, from_state, to_state
 from training.config import ModelConfig
 from training.errors import ConfigError
-from training.export.pipeline import ExportConfig, check_cuda_int8
+from training.export.config import ExportConfig, check_cuda_int8
 from training.export.portable import load_variant, portable_scorer, save_portable
 from training.export.scorer import eager_scorer
 from training.model import build_dlrm

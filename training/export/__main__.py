@@ -1,7 +1,7 @@
 """``python -m training.export --run-dir runs/demo``: parse, run the export pipeline, report.
 
 The pipeline itself is :func:`training.export.pipeline.run_export`; its config,
-:class:`~training.export.pipeline.ExportConfig`, comes from ``--config FILE.toml``, a flag per
+:class:`~training.export.config.ExportConfig`, comes from ``--config FILE.toml``, a flag per
 field (``--run-dir``, ``--formats``, ``--no-archive``, ...) and ``key=value`` overrides.
 """
 
@@ -16,7 +16,7 @@ from recsys_stack import config as shared
 from recsys_stack import logs
 from training.config import load_stage_config
 from training.errors import RecsysError
-from training.export.pipeline import ExportConfig, logger, run_export
+from training.export.config import ExportConfig
 
 
 def format_report(summary: dict[str, Any]) -> str:
@@ -99,7 +99,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ExportConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     logs.configure()
     try:
-        ecfg = parse_args(argv)
+        ecfg = parse_args(argv)  # before torch: a --help or a bad flag answers at once
+        from training.export.pipeline import logger, run_export
+
         summary = run_export(ecfg)
     except RecsysError as e:
         print(f"error: {e}", file=sys.stderr)
