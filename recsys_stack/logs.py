@@ -1,7 +1,8 @@
 """Logging for every command of ours, and the one list of third-party noise we silence.
 
 A user reads our lines; the libraries' own chatter (per table, per rank, per pass) hides them.
-:func:`configure` is called once by each entry point that imports torch. Unless
+:func:`configure` is called once by each entry point that imports torch, after it does (torch's
+import sets the levels of its loggers, undoing ours). Unless
 ``RECSYS_VERBOSE=1``, it drops what is listed below and nothing else; each entry says why it is
 harmless here. Everything at ERROR or above always shows.
 

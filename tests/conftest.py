@@ -9,7 +9,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -225,6 +225,26 @@ def exported_portable(
 
     base, stdout = built_once(tmp_path_factory, "portable", build)
     return base / "run" / "export", base / "store", stdout
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """The root logger's handlers and level as they were before the test. Entry points run
+    in-process (``main(argv)``) configure logging on the stderr of their moment, which is
+    pytest's capture of that test; a later test's ``logging.basicConfig`` then keeps that
+    closed stream and every record becomes a "--- Logging error ---" traceback."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for h in root.handlers:
+        if h not in handlers:
+            root.removeHandler(h)
+    for h in handlers:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(level)
 
 
 # The modules that take longest (seconds in a parallel run's junit report, heaviest first). Under

@@ -97,11 +97,11 @@ def parse_args(argv: Sequence[str] | None = None) -> ExportConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logs.configure()
     try:
         ecfg = parse_args(argv)  # before torch: a --help or a bad flag answers at once
         from training.export.pipeline import logger, run_export
 
+        logs.configure()  # after torch's import, which sets its loggers' levels of its own
         summary = run_export(ecfg)
     except RecsysError as e:
         print(f"error: {e}", file=sys.stderr)
