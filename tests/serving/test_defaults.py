@@ -35,13 +35,15 @@ PORT_VARS = ["INFERENCE", "MANAGEMENT", "METRICS", "GRPC_INFERENCE", "GRPC_MANAG
 
 
 def relocated(src: Path, out: Path, version: str, data: Path) -> None:
-    """The archive ``src`` as ``version``, its schema's data record naming ``data``."""
+    """The archive ``src`` as ``version``, its schema's data record (and the unseen rows in it,
+    its held-out split) naming ``data``."""
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w") as zout:
         manifest = json.loads(zin.read("MAR-INF/MANIFEST.json"))
         manifest["model"]["modelVersion"] = version
         schema = json.loads(zin.read("schema.json"))
         schema["model"]["version"] = version
         schema["data"]["files"][0]["path"] = str(data)
+        schema["data"]["unseen"]["files"][0]["path"] = str(data)
         replaced = {"MAR-INF/MANIFEST.json": manifest, "schema.json": schema}
         for item in zin.infolist():
             body = replaced.get(item.filename)
