@@ -104,7 +104,7 @@ DATA_DIR ?=
 FOLLOW ?=
 CONTINUOUS_ARGS ?=
 .PHONY: continuous
-continuous: setup  ## keep RUN fresh on the click logs of DATA_DIR: score each file (RUN/progressive.jsonl), train a pass, export + evaluated rollout [FOLLOW=1]
+continuous: setup  ## keep RUN fresh on the click logs of DATA_DIR: score each file (RUN/progressive.jsonl), export + roll out the model before it judged on it, train a pass [FOLLOW=1]
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) \
 		-m training.continuous --run-dir $(RUN) --data-dir $(DATA_DIR) $(if $(FOLLOW),--follow) \
 		$(if $(or $(wildcard $(RUN)/checkpoints/latest),$(findstring --resume,$(CONTINUOUS_ARGS))),,--config training/configs/$(PRESET).toml) $(CONTINUOUS_ARGS)
@@ -125,9 +125,10 @@ status:  ## what `make serve` started: TorchServe's READY workers, the gateway's
 	@if [ ! -x $(PY) ]; then echo "not running (no $(VENV) yet: make setup)"; exit 0; fi; \
 	$(PY) -m serving.tools.supervisor status $(SERVE_ARGS); code=$$?; [ $$code -eq 3 ] || exit $$code
 
-# Without DATA, the score/evaluate/rollout tools take the held-out rows of the data the served
-# model was trained on (recorded in its schema.json) and refuse when that data is gone or changed.
-score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the served model's held-out rows) through the gateway
+# Without DATA, the score/evaluate/rollout tools take the rows the model never trained on
+# (recorded in its schema.json: a batch run's held-out split, a continuous run's next file) and
+# refuse when there are none or that data is gone or changed.
+score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the served model's unseen rows) through the gateway
 	$(PY) -m serving.tools.client --rows $(ROWS) $(if $(DATA),--data $(DATA))
 
 loadtest: setup  ## headless Locust against the gateway: USERS, SPAWN_RATE, DURATION, OUT; report + summary.json + PNG; exit 3 when > 1% of calls fail
@@ -142,14 +143,14 @@ chaos: setup  ## RUN's export on 2 replicas + gateway under Locust, a fault ever
 .PHONY: rollout rollback
 ROLLOUT_ARGS ?=
 EVAL_DATA ?= $(DATA)
-rollout: setup  ## roll VERSION out on the running stack: register, evaluate vs the default on EVAL_DATA (default: its held-out rows), 5->50->100%, promote, drain
+rollout: setup  ## roll VERSION out on the running stack: register, evaluate vs the default on EVAL_DATA (default: VERSION's unseen rows), 5->50->100%, promote, drain
 	$(PY) -m serving.tools.rollout $(if $(VERSION),--version $(VERSION)) $(if $(EVAL_DATA),--eval-data $(EVAL_DATA)) $(ROLLOUT_ARGS)
 
 rollback: setup  ## return the running stack to the previous default version (no failed request)
 	$(PY) -m serving.tools.rollout --rollback $(ROLLOUT_ARGS)
 
 .PHONY: evaluate
-evaluate: setup  ## score labelled rows (DATA; default: the served version's held-out rows) through the gateway [VERSION=]: AUC, NE, log loss, calibration -> OUT (JSON + PNG)
+evaluate: setup  ## score labelled rows (DATA; default: the served version's unseen rows) through the gateway [VERSION=]: AUC, NE, log loss, calibration -> OUT (JSON + PNG)
 	$(PY) -m serving.tools.evaluate $(if $(DATA),--data $(DATA)) $(if $(VERSION),--version $(VERSION)) --out $(OUT) $(EVALUATE_ARGS)
 
 demo: setup  ## everything on the embedded default: train -> export -> serve -> score -> load test -> stop

@@ -294,8 +294,12 @@ def fit_baseline(cfg: Config, stream: TrainStream, steps: int, held_out: Arrays)
     on (the first epoch's order, as far as ``steps`` went; later epochs reread them), scored
     on ``held_out``."""
     rows = min(steps, stream.steps_per_epoch) * stream.global_batch
-    order = epoch_order(len(stream.arrays), cfg.train.seed, 0)[:rows]
-    return fit_and_score(stream.arrays, order, held_out, cfg.baseline)
+    arrays = stream.arrays
+    assert isinstance(arrays, Arrays), (
+        "a batch run reads one dataset (rows are joined only by the continuous loop)"
+    )
+    order = epoch_order(len(arrays), cfg.train.seed, 0)[:rows]
+    return fit_and_score(arrays, order, held_out, cfg.baseline)
 
 
 def end_lines(final: dict[str, Any], run_dir: Path, cfg: Config) -> list[str]:

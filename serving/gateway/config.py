@@ -235,10 +235,10 @@ class ClientConfig(ChannelConfig):
     """Score Criteo TSV rows through the gateway."""
 
     data: Path | None = None
-    """Criteo TSV to score (label column optional); default: the held-out rows of the data the
-    served model was trained on (its schema.json's record; the stack of ``workdir``)."""
+    """Criteo TSV to score (label column optional); default: the rows the served model never
+    trained on (its schema.json's ``data.unseen``; the stack of ``workdir``)."""
     rows: int = 10
-    """Rows to score, from the top of the file (or of the held-out rows)."""
+    """Rows to score, from the top of the file (or of the unseen rows)."""
     batch: int = 100
     """Examples per request."""
     host: str = "127.0.0.1"

@@ -1,9 +1,9 @@
 """Client of the gateway: Criteo TSV rows -> ``recsys.v1.ScoreRequest`` -> scores.
 
 ``python -m serving.tools.client [--data rows.tsv]`` (``recsys-score``, ``make score``) prints one
-probability per row (with the label when the file has one); without ``--data``, of the held-out
-rows of the data the served model was trained on (serving/tools/evaldata.py). Which rows of
-which file goes to stderr first. Also a library for tests, the
+probability per row (with the label when the file has one); without ``--data``, of the rows the
+served model never trained on, as its schema.json records them (serving/tools/evaldata.py).
+Which rows of which file, and why, goes to stderr first. Also a library for tests, the
 load generator and the supervisor: :func:`parse_rows`, :func:`build_request`,
 :class:`RankerClient`, :func:`gateway_status`. TLS, mutual TLS and the token: the flags below, or
 ``RECSYS_CLIENT_TLS_*`` and ``RECSYS_GATEWAY_TOKEN_FILE`` (serving/tools/channel.py). Rows are
@@ -119,7 +119,7 @@ def gateway_status(target: str, timeout: float = 1.0, channel: ChannelConfig | N
 
 
 def rows_window(cfg: ClientConfig) -> Window:
-    """The first ``cfg.rows`` rows of ``cfg.data``, else of the served model's held-out rows."""
+    """The first ``cfg.rows`` rows of ``cfg.data``, else of the served model's unseen rows."""
     if cfg.data is None:
         return default_window(cfg.workdir, "", cfg.rows, "--data")
     return Window([cfg.data], 0, cfg.rows)

@@ -1,12 +1,16 @@
-"""Which labelled rows the tools score: by default, the served model's own held-out rows.
+"""Which labelled rows the tools score: by default, rows the served model never trained on.
 
-``make score``, ``make evaluate`` and ``make rollout`` without ``DATA=`` take the data the served
-version was trained on, as the ``schema.json`` inside its archive records it
-(:mod:`recsys_stack.datafile`): its files, each checked against its recorded fingerprint, and
-the held-out split (the last ``eval_rows`` rows: what the trainer evaluated on and the export's
-parity report was computed on). The served version is the running stack's (``make serve``'s
-``serve.json``: its plan's default, or the version asked for; its archive
-``<model store>/<model>-<version>.mar``). With nothing serving, with no record, with the
+``make score``, ``make evaluate`` and ``make rollout`` without ``DATA=`` take the rows the
+version's ``schema.json`` records as **unseen** by it (``data.unseen``,
+:mod:`recsys_stack.datafile`): a batch run's held-out split (the last ``eval_rows`` rows of its
+data: what the trainer evaluated on), a continuous run's next file (the one that arrived after
+the checkpoint, scored before any model trained on it), each file checked against its recorded
+fingerprint, and the printed line says which and why. ``make score`` and ``make evaluate``
+take the served version's (``make serve``'s ``serve.json``: its plan's default, or the version
+asked for; its archive ``<model store>/<model>-<version>.mar``), ``make rollout`` the
+candidate's (:func:`provenance` then says whether the default's record shows it trained on
+them). With nothing serving, with no such record (a continuous checkpoint exported without
+``--unseen-data``, or by a version of the loop that trained on its "held-out" rows), with the
 data missing or changed, they refuse with one line ending ``pass DATA=... to choose``. A file
 given (``DATA=``, ``--data``) is taken as it is (``--holdout`` chooses its last fraction).
 
@@ -23,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from recsys_stack.criteo_rows import ParsedRows, RowError, scan_rows
-from recsys_stack.datafile import DataMismatch, check, heldout, shown
+from recsys_stack.datafile import DataMismatch, check, fingerprint, same, shown, unseen
 from serving import plan as plan_io
 from serving.tools.state import read_state, replicas
 
@@ -186,19 +190,83 @@ def file_window(path: Path, holdout: float, rows: int) -> Window:
 
 
 def model_window(schema: dict[str, Any], who: str, rows: int) -> Window:
-    """The held-out rows ``schema`` records (at most ``rows``; 0 = all); :class:`DataMismatch`
-    when its data is missing or changed."""
+    """The rows ``schema`` records as unseen by its model (at most ``rows``; 0 = all);
+    :class:`DataMismatch` (one line) when there are none, or their data is missing or changed."""
     data = schema.get("data")
-    paths = check(data, who)
-    assert data is not None
-    first, count = heldout(data)
-    if first is None:  # malformed rows were skipped: the split ends where the lines end
+    if not data:
+        raise DataMismatch(f"{who}'s schema.json records no training data (re-export it)")
+    metrics = schema.get("training_metrics") or {}
+    if "unseen" not in data and "file_index" in metrics:  # the loop trained its "held-out" rows
+        raise DataMismatch(
+            f"{who} was exported by continuous training before unseen rows were recorded: the "
+            "held-out rows its record names were trained on (re-export it with --unseen-data "
+            "FILE of a later file)"
+        )
+    entry = unseen(data)
+    if entry is None:
+        raise DataMismatch(
+            f"{who}'s schema.json records no rows it never trained on (a continuous "
+            "checkpoint exported without --unseen-data: it trained on every row of its files)"
+        )
+    paths = check(entry, who, "{who}'s unseen rows are in")
+    first, count = entry["first_row"], int(entry["rows"])
+    at_end = entry.get("at_end", True)
+    if first is None:  # malformed rows were skipped: the rows end where the lines end
         first = _count(paths) - count
     if count < 1 or first < 0:
-        raise DataMismatch(f"{who}'s data record holds no held-out rows: {data}")
-    start = tail_start(paths, count)  # found from the end: no walk through the training rows
+        raise DataMismatch(f"{who}'s data record holds no unseen rows: {entry}")
+    # the held-out rows are found from the end: no walk through the training rows before them
+    start = tail_start(paths, count) if at_end else None
     count = min(count, rows) if rows else count
-    return Window(paths, first, count, f" (the held-out rows {who} was trained with)", start)
+    return Window(paths, first, count, f" (unseen by {who}: {entry.get('why', '')})", start)
+
+
+def unseen_by(schema: dict[str, Any], window: Window, who: str) -> tuple[bool | None, str]:
+    """Whether the model of ``schema`` never trained on the rows of ``window``, as far as its
+    record says: ``(True, why)`` inside its own unseen rows or in no file it trained on,
+    ``(False, why)`` in a file it trained on, ``(None, why)`` when its record cannot tell."""
+    data = schema.get("data")
+    if not data:
+        return None, f"{who}'s schema.json records no training data"
+    try:
+        own: Window | None = model_window(schema, who, 0)
+    except DataMismatch:
+        own = None
+    mine = [Path(p).resolve() for p in window.paths]
+    if own is not None and _inside(window, own):
+        return True, f"within the rows {who} never trained on"
+    trained = data.get("trained_files") or data.get("files") or []
+    for path in mine:
+        if any(same(fingerprint(path), t) for t in trained):
+            return False, f"{who} trained on {shown(path)}"
+    if "trained_files" not in data and "file_index" in (schema.get("training_metrics") or {}):
+        return None, f"{who}'s record does not list every file it trained on"
+    return True, f"{who}'s record names no such file"
+
+
+def _inside(window: Window, outer: Window) -> bool:
+    """Whether the rows of ``window`` are rows of ``outer`` (the same files, in order)."""
+    same_files = [Path(p).resolve() for p in window.paths] == [
+        Path(p).resolve() for p in outer.paths
+    ]
+    end, outer_end = window.first + window.count, outer.first + outer.count
+    return same_files and outer.first <= window.first and end <= outer_end
+
+
+def provenance(window: Window, models: dict[str, tuple[dict[str, Any], str]]) -> dict[str, Any]:
+    """The rows of ``window`` as a record: files, 1-based row range, count, and for each model
+    of ``models`` (``role: (schema, who)``) ``unseen_by_<role>`` (:func:`unseen_by`: True,
+    False or None) and ``<role>_record`` (why)."""
+    out: dict[str, Any] = {
+        "files": [str(p) for p in window.paths],
+        "first_row": window.first + 1,
+        "last_row": window.first + window.count,
+        "rows": window.count,
+        "chosen": window.origin.strip()[1:-1] if window.origin else "a file given",
+    }
+    for role, (schema, who) in models.items():
+        out[f"unseen_by_{role}"], out[f"{role}_record"] = unseen_by(schema, window, who)
+    return out
 
 
 def served_schema(workdir: Path, version: str = "") -> tuple[dict[str, Any], str]:
@@ -220,7 +288,7 @@ def refusal(reason: object, flag: str) -> NoDefault:
 
 
 def default_window(workdir: Path, version: str, rows: int, flag: str) -> Window:
-    """The held-out rows of the served ``version``'s data (:func:`served_schema`,
+    """The unseen rows of the served ``version`` (:func:`served_schema`,
     :func:`model_window`); :class:`NoDefault` (one line naming ``flag``) when there are none."""
     try:
         schema, who = served_schema(workdir, version)

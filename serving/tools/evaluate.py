@@ -1,9 +1,10 @@
 """Served-model evaluation: score a labelled Criteo TSV through the gateway, report its quality.
 
 ``python -m serving.tools.evaluate [--data labelled.tsv]`` (``make evaluate [DATA=...]
-[VERSION=...]``) reads the rows (by default the held-out rows of the data the served version
-was trained on, as its schema.json records it, checked against its fingerprint:
-serving/tools/evaldata.py) by the trainer's rules (recsys_stack/criteo_rows.py: a label other
+[VERSION=...]``) reads the rows (by default those the served version never trained on, as its
+schema.json records them: a batch run's held-out split, a continuous run's next file, checked
+against their fingerprint and said on the ``scoring ...`` line: serving/tools/evaldata.py) by
+the trainer's rules (recsys_stack/criteo_rows.py: a label other
 than 0/1, an empty line between rows... is one error naming the file and line), scores them through the running gateway in
 batches (``recsys.v1`` Score, ``--version`` selects a model version) with a progress bar, prints
 AUC, normalized entropy, log loss and calibration (predicted CTR / actual CTR), and writes
@@ -11,7 +12,8 @@ AUC, normalized entropy, log loss and calibration (predicted CTR / actual CTR), 
 
 ``--holdout 0.1`` scores only the last tenth of a file given: the training run's held-out split
 when DATA is the file it trained on (``data.eval_fraction``, no malformed rows skipped), the
-rows the export's parity report is computed on (the default rows are those already).
+rows the export's parity report is computed on (the default rows of a batch run's version are
+those already).
 Metrics use numpy only (no torch).
 """
 
@@ -50,8 +52,8 @@ class EvaluateConfig(ChannelConfig):
     calibration (TLS and the token: ``--tls-ca``... or ``RECSYS_CLIENT_TLS_*``, as the client)."""
 
     data: Path | None = None
-    """Labelled Criteo TSV (label first, 40 tab-separated fields); default: the held-out rows
-    of the data the served version was trained on (its schema.json's record)."""
+    """Labelled Criteo TSV (label first, 40 tab-separated fields); default: the rows the
+    served version never trained on (its schema.json's ``data.unseen``)."""
     version: str = ""
     """Model version to evaluate; empty = the gateway's default version."""
     out: Path | None = None
@@ -60,7 +62,7 @@ class EvaluateConfig(ChannelConfig):
     """Score only the last fraction of ``data``'s rows (0.1 = a training run's held-out split
     with the default data.eval_fraction); 0 = every row."""
     rows: int = 0
-    """Score at most this many rows (the first ones after ``holdout``, or of the held-out
+    """Score at most this many rows (the first ones after ``holdout``, or of the unseen
     rows); 0 = all."""
     workdir: Path = env_field(WORKDIR_ENV, WORKDIR)
     """The running stack's state folder (``make serve``'s): whose served model's data is the
@@ -148,7 +150,7 @@ def batches(window: Window, size: int) -> Iterator[tuple[np.ndarray, Rows]]:
 
 
 def rows_to_score(cfg: EvaluateConfig) -> Window:
-    """``cfg.data``'s rows, else the served version's held-out rows (:mod:`.evaldata`)."""
+    """``cfg.data``'s rows, else the served version's unseen rows (:mod:`.evaldata`)."""
     if cfg.data is not None:
         return file_window(cfg.data, cfg.holdout, cfg.rows)
     return default_window(cfg.workdir, cfg.version, cfg.rows, "--data")
@@ -206,6 +208,7 @@ def evaluate(cfg: EvaluateConfig, out: Path) -> dict[str, Any]:
     report = {
         "data": ", ".join(map(str, window.paths)),
         "first_row": window.first + 1,
+        "rows_chosen": window.describe(),  # which, and why (unseen by the served version)
         "version": cfg.version or "default",
         "gateway": f"{cfg.host}:{cfg.port}",
         **metrics(y, p, cfg.bins),

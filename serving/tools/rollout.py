@@ -7,13 +7,16 @@
    key; the handler warms the model up while loading), wait until READY everywhere;
 2. **add** it to the serving plan with no traffic; the gateway probes it on every replica;
 3. **evaluate** the candidate and the current default through the gateway on the same labelled
-   rows (``--eval-data``; by default the held-out rows of the data the default version was
-   trained on, as its schema.json records it: serving/tools/evaldata.py): AUC, NE, log loss,
-   calibration. If the candidate's AUC is lower by more than ``--margin``, it is **refused**:
-   removed from the plan and unregistered; the default keeps all traffic, and the command
-   exits 1. The default is scored first, before step 1: when it scores near chance itself
-   (canary.py ``misfit``: AUC < 0.55 or NE > 1), the evaluation data does not fit the model and
-   the rollout is refused before anything changes;
+   rows, rows the candidate never trained on (``--eval-data``; by default those its schema.json
+   records as unseen: a batch run's held-out split, a continuous run's next file;
+   serving/tools/evaldata.py): AUC, NE, log loss, calibration. Which rows, and whether each
+   version's record shows it trained on them, is printed and kept in the report
+   (``evaluation.source``); a candidate that trained on them, or whose record cannot tell, is
+   refused before anything changes (its figures would flatter it). If the candidate's AUC is
+   lower by more than ``--margin``, it is **refused**: removed from the plan and unregistered;
+   the default keeps all traffic, and the command exits 1. The default is scored first, before
+   step 1: when it scores near chance itself (canary.py ``misfit``: AUC < 0.55 or NE > 1), the
+   evaluation data does not fit the model and the rollout is refused before anything changes;
 4. **shift** the requests that name no version in ``--steps`` (default 5% -> 50% -> 100%),
    ``--dwell-s`` at each, checking that the candidate stays ready and that its error ratio
    (the gateway's ``version_requests_total{model_version,code}``) exceeds the default's by at
@@ -61,7 +64,7 @@ from serving.plan import Plan, PlanError
 from serving.tools import canary
 from serving.tools import evaluate as ev
 from serving.tools.channel import channel_fields
-from serving.tools.evaldata import Window, file_window, model_window, refusal
+from serving.tools.evaldata import Window, file_window, model_window, provenance, refusal
 from serving.tools.served import Gateway, RolloutError, Stack
 from serving.tools.state import WORKDIR, WORKDIR_ENV
 from serving.tools.versions import (
@@ -91,13 +94,15 @@ class RolloutConfig(ChannelConfig):
     workdir: Path = env_field(WORKDIR_ENV, WORKDIR)
     """The running stack's state folder (``make serve``'s)."""
     eval_data: Path | None = None
-    """Labelled Criteo TSV to compare the candidate with the default on; default: the held-out
-    rows of the data the default version was trained on (its schema.json's record)."""
+    """Labelled Criteo TSV to compare the candidate with the default on; default: the rows the
+    candidate never trained on (its schema.json's ``data.unseen``: a batch run's held-out
+    split, a continuous run's next file)."""
     holdout: float = 0.1
     """Evaluate the last fraction of ``eval_data``'s rows (0.1 = a training run's held-out
     split of the file it trained on); 0 = every row. Not used for the default rows."""
     eval_rows: int = 0
-    """Evaluate at most this many rows (0 = all of the held-out rows or ``holdout``'s)."""
+    """Evaluate at most this many rows (0 = all of the unseen rows or ``holdout``'s; the first
+    ones)."""
     evaluate: bool = True
     """Compare the candidate with the default before it takes traffic (off: promote it
     without looking; ``rollback`` never evaluates)."""
@@ -148,28 +153,52 @@ class RolloutConfig(ChannelConfig):
             raise ValueError(f"error_min_requests = {self.error_min_requests}: >= 0")
 
 
-def eval_window(cfg: RolloutConfig, stack: Stack) -> Window:
-    """``--eval-data``'s rows, else the held-out rows of the default version's data."""
+Judged = tuple[dict[str, Any], str]  # (schema.json, "<model> v<version>")
+
+
+def eval_window(cfg: RolloutConfig, candidate: Judged) -> Window:
+    """``--eval-data``'s rows, else the rows the candidate's schema records as unseen."""
     if cfg.eval_data is not None:
         return file_window(cfg.eval_data, cfg.holdout, cfg.eval_rows)
-    plan = plan_io.load(stack.plan_file)
-    mar = stack.replicas[0].model_store / f"{plan.model}-{plan.default}.mar"
     try:
-        schema = plan_io.read_mar_schema(mar)
-        return model_window(schema, f"{plan.model} v{plan.default}", cfg.eval_rows)
-    except (PlanError, ValueError) as e:
+        return model_window(candidate[0], candidate[1], cfg.eval_rows)
+    except ValueError as e:  # DataMismatch: no record, data missing or changed
         raise refusal(e, "--eval-data") from None
+
+
+def schema_of(stack: Stack, model: str, version: str) -> Judged:
+    """``(schema.json, "<model> v<version>")`` of a version in the store (an empty schema when
+    its archive cannot be read: its record then tells nothing)."""
+    try:
+        schema = plan_io.read_mar_schema(stack.replicas[0].model_store / f"{model}-{version}.mar")
+    except (PlanError, OSError, ValueError):
+        schema = {}
+    return schema, f"{model} v{version}"
+
+
+def seen_rows(source: dict[str, Any]) -> str | None:
+    """Why the evaluation rows cannot judge the candidate (it trained on them, or its record
+    cannot tell), None when they can; ``source``: :func:`~.evaldata.provenance`'s record."""
+    if source["unseen_by_candidate"]:
+        return None
+    return (
+        f"({source['candidate_record']}): its figures on these rows would flatter it; evaluate "
+        "on rows it never trained on (the default rows: its schema's unseen rows; re-export it "
+        "if it records none) or pass EVAL_DATA=FILE.tsv (--eval-data) of other rows"
+    )
 
 
 def evaluate_version(
     cfg: RolloutConfig, stack: Stack, version: str, window: Window | None = None
 ) -> dict[str, Any]:
     """AUC, NE, log loss, calibration of ``version`` through the gateway on ``window``
-    (default: :func:`eval_window`)."""
+    (default: :func:`eval_window` of ``version`` as the candidate)."""
     host, port = stack.target.rsplit(":", 1)
     ecfg = ev.EvaluateConfig(version=version, host=host, port=int(port), progress=cfg.progress,
                              **channel_fields(stack.channel))  # fmt: skip
-    y, p = ev.score_file(ecfg, window or eval_window(cfg, stack))
+    if window is None:
+        window = eval_window(cfg, schema_of(stack, plan_io.load(stack.plan_file).model, version))
+    y, p = ev.score_file(ecfg, window)
     return ev.metrics(y, p, ecfg.bins)
 
 
@@ -241,7 +270,8 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
         raise RolloutError(f"{plan.model} v{target} is the default already")
     mar = f"{plan.model}-{target}.mar"
     store = stack.replicas[0].model_store
-    name, version, entry = plan_io.version_from_schema(plan_io.read_mar_schema(store / mar), mar)
+    cand_schema = plan_io.read_mar_schema(store / mar)
+    name, version, entry = plan_io.version_from_schema(cand_schema, mar)
     if (name, version) != (plan.model, target):
         raise RolloutError(f"{store / mar} holds {name} v{version}, not {plan.model} v{target}")
     plan.with_changes(versions={**plan.versions, target: entry})  # same features? before any change
@@ -253,10 +283,19 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
     try:
         say(f"{'rollback' if cfg.rollback else 'rollout'} {plan.model}: v{old} -> v{target}")
         if evaluated:  # the default first: figures on rows it does not fit would mean nothing
-            window = eval_window(cfg, stack)
+            models = {"candidate": (cand_schema, f"{plan.model} v{target}"),
+                      "default": schema_of(stack, plan.model, old)}  # fmt: skip
+            window = eval_window(cfg, models["candidate"])
+            source = provenance(window, models)
+            report["evaluation"] = {"rows": window.describe(), "source": source}
             say(f"evaluation rows: {window.describe()}")
+            say(f"  unseen by the candidate v{target}: {_yes(source, 'candidate')}; "
+                f"by the default v{old}: {_yes(source, 'default')}")  # fmt: skip
+            if why := seen_rows(source):
+                say(f"refused: v{target} (the candidate) {why}; nothing changed")
+                return report
             base = evaluate_version(cfg, stack, old, window)
-            report["evaluation"] = {"default": base, "rows": window.describe()}
+            report["evaluation"]["default"] = base
             if why := canary.misfit(base):
                 say(f"refused: v{old} (the default) {why}; nothing changed")
                 return report
@@ -314,6 +353,12 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
         report["seconds"] = round(time.monotonic() - t_start, 1)
     say(f"done in {report['seconds']} s: {plan.model} v{target} serves all traffic")
     return report
+
+
+def _yes(source: dict[str, Any], role: str) -> str:
+    """``yes (why)`` / ``no (why)`` / ``cannot tell (why)`` of :func:`~.evaldata.provenance`."""
+    answer = {True: "yes", False: "no", None: "cannot tell"}[source[f"unseen_by_{role}"]]
+    return f"{answer} ({source[f'{role}_record']})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

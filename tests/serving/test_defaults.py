@@ -1,6 +1,7 @@
 """Defaults that follow the model: ``make score``, ``make evaluate`` and ``make rollout`` without
-``DATA=`` take the held-out rows of the data the served model was trained on (recorded in its
-schema.json by the export), say which, and refuse with one line when that data is gone or
+``DATA=`` take the rows the model never trained on (recorded in its schema.json by the export:
+the tiny batch run's held-out split; the rollout's, the candidate's, checked against the
+default's record), say which and why, and refuse with one line when that data is gone or
 changed; a rollout on rows the served model scores near chance on is refused before anything
 changes. The Makefile's own targets against a real ``make serve`` of the tiny run's export.
 
@@ -34,13 +35,15 @@ PORT_VARS = ["INFERENCE", "MANAGEMENT", "METRICS", "GRPC_INFERENCE", "GRPC_MANAG
 
 
 def relocated(src: Path, out: Path, version: str, data: Path) -> None:
-    """The archive ``src`` as ``version``, its schema's data record naming ``data``."""
+    """The archive ``src`` as ``version``, its schema's data record (and the unseen rows in it,
+    its held-out split) naming ``data``."""
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w") as zout:
         manifest = json.loads(zin.read("MAR-INF/MANIFEST.json"))
         manifest["model"]["modelVersion"] = version
         schema = json.loads(zin.read("schema.json"))
         schema["model"]["version"] = version
         schema["data"]["files"][0]["path"] = str(data)
+        schema["data"]["unseen"]["files"][0]["path"] = str(data)
         replaced = {"MAR-INF/MANIFEST.json": manifest, "schema.json": schema}
         for item in zin.infolist():
             body = replaced.get(item.filename)
@@ -66,7 +69,7 @@ def only_error(proc: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
-def test_score_evaluate_rollout_default_to_the_models_own_held_out_rows(
+def test_score_evaluate_rollout_default_to_the_rows_the_model_never_trained_on(
     exported: tuple[Path, Path, str], tmp_path: Path
 ) -> None:
     export, shared_store, _ = exported
@@ -103,14 +106,15 @@ def test_score_evaluate_rollout_default_to_the_models_own_held_out_rows(
         print(target, proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
         return proc
 
-    own = f"rows 18001..20000 of {data} (the held-out rows {MODEL} v1.0 was trained with)"
+    why = "its held-out split, the last 2000 rows (data.eval_fraction 0.1)"
+    own = f"rows 18001..20000 of {data} (unseen by {MODEL} v1.0: {why})"
     started = run("serve")
     try:
         assert started.returncode == 0, started.stderr
         # make score: the first held-out rows of the model's own file, said on stderr
         scored = run("score", "ROWS=10")
         assert scored.returncode == 0, scored.stderr
-        assert f"scoring rows 18001..18010 of {data} (the held-out rows" in scored.stderr
+        assert f"scoring rows 18001..18010 of {data} (unseen by {MODEL} v1.0: " in scored.stderr
         got = [float(line.split("\t")[1]) for line in scored.stdout.splitlines()[-10:]]
         np.testing.assert_allclose(got, s[f"probs_{served}"][:10], atol=1e-6)
         # make evaluate: all 2,000 held-out rows, the export's parity AUC
@@ -121,10 +125,13 @@ def test_score_evaluate_rollout_default_to_the_models_own_held_out_rows(
         report = json.loads((tmp_path / "report" / "evaluation.json").read_text())
         assert report["first_row"] == 18001 and report["rows"] == 2000
         assert abs(report["auc"] - parity["auc"][served]) <= 5e-4, (report, parity["auc"])
-        # make rollout: evaluates on the same rows, every step numbered
+        # make rollout: evaluates on the candidate's unseen rows, new to the default too
         rolled = run("rollout", "VERSION=2.0", "ROLLOUT_ARGS=--steps 100 --drain-s 0 --no-progress")
         assert rolled.returncode == 0, rolled.stderr
-        assert f"evaluation rows: {own}" in rolled.stdout
+        assert f"evaluation rows: {own.replace('v1.0', 'v2.0')}" in rolled.stdout
+        assert (f"unseen by the candidate v2.0: yes (within the rows {MODEL} v2.0 never trained "
+                f"on); by the default v1.0: yes (within the rows {MODEL} v1.0 never trained on)"
+                in rolled.stdout), rolled.stdout  # fmt: skip
         steps = [ln[:5] for ln in rolled.stdout.splitlines() if ln.startswith("[")]
         assert steps == [f"[{i}/6]" for i in range(1, 7)], rolled.stdout
         plan_file = Path(read_state(tmp_path / "serve")["plan"])
@@ -147,13 +154,14 @@ def test_score_evaluate_rollout_default_to_the_models_own_held_out_rows(
         # the data changed since the export: one line each, naming the file; DATA= still works
         with data.open("a") as f:
             f.write(data.read_text().splitlines()[0] + "\n")
-        for target, args in (("score", []), ("evaluate", []), ("rollout", ["VERSION=1.0"])):
+        for target, args, who in (("score", [], "v2.0"), ("evaluate", [], "v2.0"),
+                                  ("rollout", ["VERSION=1.0"], "v1.0")):  # fmt: skip
             line = only_error(run(target, *args))
-            assert f"{data} is not the file {MODEL} v2.0 was trained on" in line, line
+            assert f"{data} is not the file {MODEL} {who}'s unseen rows are in" in line, line
             assert line.endswith("to choose"), line
         data.unlink()
         line = only_error(run("score"))
-        assert f"{MODEL} v2.0 was trained on {data}, which is missing" in line, line
+        assert f"{MODEL} v2.0's unseen rows are in {data}, which is missing" in line, line
         assert "pass DATA=FILE.tsv (make) or --data FILE.tsv to choose" in line
         chosen = run("score", f"DATA={trained_on}", "ROWS=3")
         assert chosen.returncode == 0 and f"rows 1..3 of {trained_on}" in chosen.stderr

@@ -88,3 +88,78 @@ def test_rows_read_from_the_end_are_named_by_their_own_file_and_line(tmp_path: P
         list(evaluate.batches(window, 7))
     with pytest.raises(ValueError, match=rf"^{paths[1]}:168: column label"):
         client.read_rows(window)
+
+
+def _read_all(window: evaldata.Window) -> list[int]:
+    return _read(window)[0]
+
+
+def test_the_default_rows_are_the_rows_the_version_never_trained_on(tmp_path: Path) -> None:
+    """A batch run's unseen rows: its held-out split (also from a record written before
+    ``unseen`` existed); a continuous run's: the next file, from its first row; a record that
+    names none, or a continuous export of before (its "held-out" rows were trained), refused."""
+    day2, day3 = tmp_path / "day_2.tsv", tmp_path / "day_3.tsv"
+    day2.write_text("".join(_rows(100)))
+    day3.write_text("".join(_rows(50, 1000)))
+    batch = datafile.record([day2], rows=100, skipped_rows=0, eval_fraction=0.1, eval_rows=10)
+    window = evaldata.model_window({"data": batch}, "m v1", 0)
+    assert _read_all(window) == list(range(90, 100)) and window.start is not None
+    assert window.describe().endswith("(unseen by m v1: its held-out split, the last 10 rows "
+                                      "(data.eval_fraction 0.1))")  # fmt: skip
+    older = {k: v for k, v in batch.items() if k != "unseen"}
+    assert _read_all(evaldata.model_window({"data": older}, "m v1", 0)) == list(range(90, 100))
+    cont = {**batch, "eval_rows": 0, "trained_files": [{"name": "day_2.tsv", **batch["files"][0]}],
+            "unseen": datafile.unseen_entry([day3], 0, 50, "the next file")}  # fmt: skip
+    window = evaldata.model_window({"data": cont}, "m v2", 20)
+    assert _read_all(window) == list(range(1000, 1020)) and window.start is None
+    assert window.describe() == f"rows 1..20 of {day3} (unseen by m v2: the next file)"
+    legacy = {"data": older, "training_metrics": {"file_index": 2, "auc": 0.8}}
+    with pytest.raises(datafile.DataMismatch, match="held-out rows its record names were trained"):
+        evaldata.model_window(legacy, "m v0", 0)
+    with pytest.raises(datafile.DataMismatch, match="records no rows it never trained on"):
+        evaldata.model_window({"data": {**cont, "unseen": None}}, "m v2", 0)
+    day3.write_text("".join(_rows(50, 2000)))  # replaced: not the rows it never saw
+    with pytest.raises(
+        datafile.DataMismatch, match=r"day_3.tsv is not the file m v2's unseen rows are in"
+    ):
+        evaldata.model_window({"data": cont}, "m v2", 0)
+
+
+def test_the_rollout_judges_on_rows_the_candidate_never_saw_and_says_whom_they_are_new_to(
+    tmp_path: Path,
+) -> None:
+    from serving.tools import rollout
+
+    day2, day3, other = (tmp_path / f"{n}.tsv" for n in ("day_2", "day_3", "other"))
+    day2.write_text("".join(_rows(100)))
+    day3.write_text("".join(_rows(50, 1000)))
+    other.write_text("".join(_rows(30, 5000)))
+    batch = datafile.record([day2], rows=100, skipped_rows=0, eval_fraction=0.1, eval_rows=10)
+    default = {"data": batch}  # a batch run on day 2, held out its last 10 rows
+    cand = {"data": {**batch, "eval_rows": 0, "unseen": datafile.unseen_entry([day3], 0, 50, "x"),
+                     "trained_files": [{"name": "day_2.tsv", **batch["files"][0]}]}}  # fmt: skip
+    models = {"candidate": (cand, "m v2"), "default": (default, "m v1")}
+    cfg = rollout.RolloutConfig(version="2", eval_rows=40)
+    window = rollout.eval_window(cfg, models["candidate"])  # the default: the candidate's own
+    assert (window.paths, window.first, window.count) == ([day3], 0, 40)
+    source = evaldata.provenance(window, models)
+    assert source["first_row"] == 1 and source["last_row"] == 40 and source["rows"] == 40
+    assert source["unseen_by_candidate"] and source["unseen_by_default"], source
+    assert rollout.seen_rows(source) is None
+    # rows given: the default's held-out rows are new to it, and the candidate trained on them
+    given = evaldata.file_window(day2, 0.1, 0)
+    source = evaldata.provenance(given, models)
+    assert source["unseen_by_default"] is True and source["unseen_by_candidate"] is False
+    assert source["candidate_record"] == f"m v2 trained on {day2}"
+    why = rollout.seen_rows(source)
+    assert why is not None and "would flatter it" in why
+    # a file neither record names: new to both; a record that cannot tell: refused
+    elsewhere = evaldata.file_window(other, 0, 0)
+    assert evaldata.provenance(elsewhere, models)["unseen_by_candidate"]
+    legacy = {"data": {**batch, "unseen": None}, "training_metrics": {"file_index": 1}}
+    source = evaldata.provenance(elsewhere, {"candidate": (legacy, "m v0")})
+    assert source["unseen_by_candidate"] is None and rollout.seen_rows(source)
+    assert evaldata.unseen_by({}, given, "m v9") == (
+        None,
+        "m v9's schema.json records no training data",
+    )

@@ -199,8 +199,15 @@ def test_rollout_refusal_restart_and_rollback_under_load(
             assert served == "2"
             np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)  # v2's artifact, not v1's
 
-            bad = run("rollout", "VERSION=3", f"ROLLOUT_ARGS=--margin 0.002 {steps}")
+            # judged on its own unseen rows (no EVAL_DATA): its held-out split, new to v2 too
+            bad = run("rollout", "VERSION=3", "EVAL_DATA=", f"ROLLOUT_ARGS=--margin 0.002 {steps}")
             assert bad.returncode != 0, bad.stderr  # make: exit 2 for the command's exit 1
+            assert (
+                f"evaluation rows: rows 18001..20000 of {data} (unseen by {MODEL} v3: its "
+                in bad.stdout
+            )
+            assert "unseen by the candidate v3: yes (within the rows" in bad.stdout
+            assert "by the default v2: yes (within the rows" in bad.stdout
             assert "refused: v3 is withdrawn; v2 keeps all traffic" in bad.stdout
         assert load["requests"] > 100 and load["failures"] == 0, load
         plan = plan_io.load(plan_file)  # v1 kept loaded (no traffic of its own) for rollback

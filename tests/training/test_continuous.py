@@ -1,5 +1,7 @@
-"""The continuous loop end to end: drifting days, progressive validation, a kill mid-file,
-a malformed file, an export, TensorBoard; real torchrun process groups (gloo) on tiny sizes."""
+"""The continuous loop end to end: drifting days, progressive validation, every row trained once
+(the last partial batch carried into the next file), a kill mid-file, a malformed file, an
+export judged on the next file's unseen rows, TensorBoard; real torchrun process groups (gloo)
+on tiny sizes."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import time
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from serving.tools import evaldata
 from tests.conftest import ROOT, VENV_BIN, _env
 from training.continuous.figure import draw
 from training.continuous.file_loop import KILL_AT_STEP_ENV
@@ -24,7 +28,8 @@ from training.metrics.log import read_metrics
 pytestmark = pytest.mark.slow
 
 DAYS, ROWS, DRIFT = 4, 20_000, 0.2
-STEPS_PER_DAY = ROWS // 256  # tiny: global batch 256, the last 32 rows of each day dropped
+STEPS_PER_DAY = ROWS // 256  # tiny: global batch 256, 32 more rows carried on each day (< 256)
+SMALL = 10 * 256  # rows of a small day: 10 batches, none carried
 
 
 def run_continuous(
@@ -87,7 +92,8 @@ def test_the_drift_is_what_the_days_hold(days: Path) -> None:
 @pytest.fixture(scope="module")
 def cont(days: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     """4 days on 2 ranks, a malformed file between day 1 and day 2, files that are not there
-    yet (a dot-file, a .tmp), and a stack serving another model: one export, no rollout."""
+    yet (a dot-file, a .tmp), and a stack serving another model: one export (of the model after
+    3 days, at day 3's arrival), no rollout."""
     base = tmp_path_factory.mktemp("cont")
     inbox = copy_days(days, base / "inbox", [f"day_{d}" for d in range(DAYS)])
     (inbox / "day_1x.tsv").write_text("not\ta\tcriteo\trow\n" * 50)
@@ -102,8 +108,8 @@ def cont(days: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
     run = base / "run"
     run_continuous(
         ["--run-dir", str(run), "--data-dir", str(inbox), f'data.cache_dir="{base / "cache"}"',
-         "data.max_bad_rows=5", "train.keep_last=10", f"continuous.export_every={DAYS}",
-         f'continuous.serve_dir="{serve}"', 'continuous.export_args=["--parity-rows", "2000"]']
+         "data.max_bad_rows=5", "train.keep_last=10", f"continuous.export_every={DAYS - 1}",
+         f'continuous.serve_dir="{serve}"', f'continuous.export_args=["--parity-rows", "{ROWS}"]']
     )  # fmt: skip
     return run, inbox, store
 
@@ -127,6 +133,28 @@ def test_each_file_is_scored_before_it_is_trained(cont: tuple[Path, Path, Path])
     assert (run / "checkpoints" / latest / "baseline.npz").is_file()
 
 
+def test_no_row_is_dropped_the_last_partial_batch_goes_to_the_next_file(
+    cont: tuple[Path, Path, Path],
+) -> None:
+    run, _, _ = cont
+    ledger = meta_of(run)["continuous"]["files"]
+    out = 0
+    for d, f in enumerate(ledger):  # 20,000 rows a day, batches of 256: 32 more rows a day
+        assert (f["carried_in"], f["carried_out"]) == (32 * d, 32 * (d + 1)), f
+        assert f["carry_from"] == (d - 1 if d else None) and f["carried_in"] == out
+        assert f["carried_in"] + f["rows"] == f["row"] + f["carried_out"]
+        out = f["carried_out"]
+    assert sum(f["row"] for f in ledger) + out == DAYS * ROWS  # each row trained, or waiting
+    events = [e for e in read_metrics(run / "continuous.jsonl") if e["event"] == "file"]
+    assert [(e["trained_rows"], e["carried_out"]) for e in events] == [
+        (f["row"], f["carried_out"]) for f in ledger
+    ]
+    # what waits for the next file is kept, and what no retained checkpoint needs is not
+    kept = sorted(p.name for p in (run / "carry").iterdir())
+    assert kept == [f"file_{DAYS - 2:06d}", f"file_{DAYS - 1:06d}"], kept
+    assert json.loads((run / "carry" / kept[-1] / "meta.json").read_text())["rows"] == out
+
+
 def test_a_malformed_file_is_rejected_and_the_loop_goes_on(cont: tuple[Path, Path, Path]) -> None:
     run, inbox, _ = cont
     assert (inbox / "rejected" / "day_1x.tsv").is_file() and not (inbox / "day_1x.tsv").exists()
@@ -141,15 +169,35 @@ def test_a_malformed_file_is_rejected_and_the_loop_goes_on(cont: tuple[Path, Pat
     ]  # fmt: skip
 
 
-def test_export_every_n_files_and_the_rollout_decision(cont: tuple[Path, Path, Path]) -> None:
+def test_export_every_n_files_judged_on_the_next_files_unseen_rows(
+    cont: tuple[Path, Path, Path],
+) -> None:
+    """The model after 3 days is exported when day 3 arrives: day 3 is the rows it never saw
+    (schema.json, the tools' default rows, parity), and what it scores there is day 3's
+    progressive AUC, the figure `make evaluate` gives."""
     run, _, store = cont
     events = read_metrics(run / "continuous.jsonl")
-    step = DAYS * STEPS_PER_DAY
+    step = (DAYS - 1) * STEPS_PER_DAY
     exports = [e for e in events if e["event"] == "export"]
     assert len(exports) == 1 and exports[0]["ok"] and exports[0]["step"] == step, exports
+    assert exports[0]["after"] == "day_2.tsv" and exports[0]["unseen"].endswith("day_3.tsv")
     assert (store / f"dlrm-tiny-{step}.mar").is_file()
     schema = json.loads((run / "export" / "schema.json").read_text())
-    assert schema["data"]["files"][0]["path"].endswith("day_3.tsv")  # the file trained last
+    data = schema["data"]
+    assert data["files"][0]["path"].endswith("day_2.tsv")  # the file trained last
+    assert data["eval_rows"] == 0 and [f["name"] for f in data["trained_files"]] == [
+        f"day_{d}.tsv" for d in range(DAYS - 1)
+    ]
+    window = evaldata.model_window(schema, "v", 0)  # make evaluate's / score's default rows
+    assert [p.name for p in window.paths] == ["day_3.tsv"] and window.count == ROWS
+    assert (
+        window.describe().startswith(f"rows 1..{ROWS} of ")
+        and "(unseen by v: " in window.describe()
+    )
+    parity = json.loads((run / "export" / "parity.json").read_text())
+    day3 = read_metrics(run / "progressive.jsonl")[DAYS - 1]
+    assert parity["rows"] == day3["rows"] == ROWS and day3["step"] == step
+    assert abs(parity["auc"]["int8"] - day3["auc"]) < 1e-3, (parity["auc"], day3)  # the same rows
     (rollout,) = [e for e in events if e["event"] == "rollout"]
     assert not rollout["promoted"] and "serves dlrm-other" in rollout["reason"], rollout
 
@@ -217,25 +265,27 @@ def test_kill_mid_file_resumes_without_training_a_row_twice(
     run = tmp_path / "run"
     args = ["--run-dir", str(run), "--data-dir", str(inbox), "continuous.checkpoint_every=20",
             "continuous.export_every=0", f'data.cache_dir="{tmp_path / "cache"}"']  # fmt: skip
-    proc = run_continuous(args, env={KILL_AT_STEP_ENV: "50"}, check=False)
+    # killed inside day 1, whose pass opens with the 32 rows carried from day 0
+    proc = run_continuous(args, env={KILL_AT_STEP_ENV: "110"}, check=False)
     assert proc.returncode != 0 and "SIGKILL" in proc.stderr
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000040"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000100"
     resumed = run_continuous(args)
-    assert "day_0.tsv: resuming at row 10240 of 20000 (step 40)" in resumed.stderr
+    assert "day_1.tsv: resuming at row 5632 of 20032 (step 100)" in resumed.stderr
     ledger = meta_of(run)["continuous"]["files"]
     for f in ledger:  # the positions recorded: each row of the order once, none skipped
         ends = [0, *(b for _, b in f["segments"])]
         assert [a for a, _ in f["segments"]] == ends[:-1] and ends[-1] == STEPS_PER_DAY * 256
     assert [b for _, b in ledger[0]["segments"][:3]] == [20 * 256, 40 * 256, 60 * 256]
+    assert [b for _, b in ledger[1]["segments"][:3]] == [2 * 256, 22 * 256, 42 * 256]
+    assert ledger[1]["carried_in"] == ledger[0]["carried_out"] == 32
     assert meta_of(run)["progress"]["step"] == 2 * STEPS_PER_DAY  # no step redone
     loss_steps = [r["step"] for r in read_metrics(run / "train_loss.jsonl")]
     assert loss_steps == sorted(set(loss_steps))
     prog = read_metrics(run / "progressive.jsonl")
     assert [r["file"] for r in prog] == ["day_0.tsv", "day_1.tsv"]  # scored once each
-    # the model after the interrupted day is the uninterrupted run's: the same next-day AUC
-    fresh = read_metrics(cont[0] / "progressive.jsonl")[1]
-    assert prog[1]["auc"] == pytest.approx(fresh["auc"], abs=1e-6)
-    assert prog[1]["baseline_auc"] == fresh["baseline_auc"]  # its baseline too, exactly
+    fresh = read_metrics(cont[0] / "progressive.jsonl")
+    assert prog[1]["auc"] == pytest.approx(fresh[1]["auc"], abs=1e-6)  # the same day-0 model
+    assert prog[1]["baseline_auc"] == fresh[1]["baseline_auc"]  # its baseline too, exactly
     # new rows renamed in under a consumed name: a new file (said loudly), never skipped
     for ext in (".prob.npy", ".tsv"):
         shutil.copy(days / f"day_2{ext}", inbox / f".day_1{ext}.tmp")
@@ -252,30 +302,44 @@ def test_kill_mid_file_resumes_without_training_a_row_twice(
     assert [(r["file"], r["file_index"]) for r in prog] == [
         ("day_0.tsv", 0), ("day_1.tsv", 1), ("day_1.tsv", 2)
     ]  # fmt: skip
+    # the model after the interrupted day 1 (its carried rows read back at the resume) is the
+    # uninterrupted run's: the same AUC on day 2's rows
+    assert prog[2]["auc"] == pytest.approx(fresh[2]["auc"], abs=1e-6)
 
 
 def test_a_second_run_of_the_config_publishes_its_own_model(days: Path, tmp_path: Path) -> None:
     """One config, one model store: a run killed before it recorded its export reuses its own
     archive, but a run directory deleted and started again (another run) must not publish the
-    first run's ``dlrm-tiny-<step>.mar`` as its own: it exports its model under another name."""
-    inbox = copy_days(days, tmp_path / "inbox", ["day_0"])
+    first run's ``dlrm-tiny-<step>.mar`` as its own: it exports its model under another name.
+    Two small files (10 batches each): the model after the first is published when the
+    second arrives, the rows it never saw."""
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    for d in (0, 1):  # the first 10 batches' rows of two days
+        lines = (days / f"day_{d}.tsv").read_text().splitlines(keepends=True)[:SMALL]
+        np.save(inbox / f"day_{d}.prob.npy", np.load(days / f"day_{d}.prob.npy")[:SMALL])
+        (inbox / f"day_{d}.tsv").write_text("".join(lines))
     run, store = tmp_path / "run", tmp_path / "store"
     args = ["--run-dir", str(run), "--data-dir", str(inbox), "continuous.export_every=1",
             "continuous.rollout=false", f'continuous.model_store="{store}"',
             f'data.cache_dir="{tmp_path / "cache"}"', "continuous.keep_cache=true",
             'continuous.export_args=["--parity-rows", "2000"]']  # fmt: skip
+    step = SMALL // 256
 
     def exports() -> list[dict]:
         return [e for e in read_metrics(run / "continuous.jsonl") if e["event"] == "export"]
 
     run_continuous(args, nproc=1)
     (first,) = exports()
-    mar = store / f"dlrm-tiny-{STEPS_PER_DAY}.mar"
-    assert first["ok"] and first["version"] == str(STEPS_PER_DAY) and not first.get("reused")
-    assert first["mar"] == str(mar)
+    mar = store / f"dlrm-tiny-{step}.mar"
+    assert first["ok"] and first["version"] == str(step) and not first.get("reused")
+    assert first["mar"] == str(mar) and first["unseen"] == str(inbox / "day_1.tsv")
     before = mar.read_bytes()
-    # killed after the export, before its record: the restart publishes what the checkpoint
-    # holds, and finds its own archive
+    # killed after the export, before its record (and before the next checkpoint): the restart
+    # publishes what the checkpoint holds when the file arrives, and finds its own archive
+    checkpoints = run / "checkpoints"
+    shutil.rmtree(checkpoints / f"step_{2 * step:08d}")
+    (checkpoints / "latest").write_text(f"step_{step:08d}\n")
     events = run / "continuous.jsonl"
     events.write_text("".join(line for line in events.read_text().splitlines(keepends=True)
                               if '"export"' not in line))  # fmt: skip
@@ -288,18 +352,18 @@ def test_a_second_run_of_the_config_publishes_its_own_model(days: Path, tmp_path
     (other,) = exports()
     assert not other.get("reused") and other["mar"] != str(mar), other
     first_id, new_id = first["run_id"], (run / "run_id").read_text().strip()
-    assert other["ok"] and other["version"] == f"{STEPS_PER_DAY}-{new_id[:8]}", other
+    assert other["ok"] and other["version"] == f"{step}-{new_id[:8]}", other
     assert new_id != first_id
     assert mar.read_bytes() == before  # the first run's archive is left as it was
     # what each archive says it is: the run and the checkpoint it was exported from
     stamp = json.loads(zipfile.ZipFile(mar).read("identity.json"))
-    assert stamp["run_id"] == first_id == first["run_id"] and stamp["step"] == STEPS_PER_DAY
+    assert stamp["run_id"] == first_id == first["run_id"] and stamp["step"] == step
     assert stamp["digest"] == first["checkpoint_digest"] == restarted["checkpoint_digest"]
     assert other["collisions"] == [f"{mar} is another model (run {first_id[:8]}, "
                                    f"checkpoint {stamp['digest'][:8]})"]  # fmt: skip
     assert "exporting this run's step" in second.stderr
     theirs = json.loads(zipfile.ZipFile(other["mar"]).read("identity.json"))
-    assert theirs["run_id"] == new_id and theirs["step"] == STEPS_PER_DAY
+    assert theirs["run_id"] == new_id and theirs["step"] == step
     # the config run in another directory into the same store: refused the preset's name
     # (the export's rule, one name for one run's model), in one line; nothing exported
     elsewhere = tmp_path / "run2"

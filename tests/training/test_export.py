@@ -38,6 +38,10 @@ def test_export_writes_variants_schema_parity_and_mar(exported: tuple[Path, Path
     for variant in ("eager", "fp32", "int8"):
         assert abs(parity["auc"][variant] - at_step["auc"]) <= 1e-3, (variant, at_step)
     assert schema["training_metrics"]["auc"] == at_step["auc"]
+    # the rows it never trained on (the tools' defaults): its held-out split, parity's rows
+    unseen = schema["data"]["unseen"]
+    assert (unseen["first_row"], unseen["rows"], unseen["at_end"]) == (18000, 2000, True)
+    assert unseen["files"] == schema["data"]["files"] and "held-out split" in unseen["why"]
     import hashlib
 
     for variant in ("fp32", "fp16", "int8"):

@@ -21,7 +21,7 @@ from typing import Any
 
 from recsys_stack import config as shared
 from recsys_stack.config import env_field
-from training.config import Config, add_run_args, config_errors
+from training.config import Config, add_run_args, config_errors, config_to_dict
 from training.errors import ConfigError, RecsysError
 
 SERVE_DIR_ENV = "RECSYS_SERVE_DIR"  # the running stack's state folder (make serve's)
@@ -49,18 +49,23 @@ class ContinuousSection:
     """Steps between checkpoints inside a file (0 = only at the end of each file); each
     records the file and the row position, so a killed run resumes there."""
     export_every: int = 1
-    """Export a new version every this many files trained (0 = never)."""
+    """Publish a new version every this many files trained (0 = never), when the next file
+    arrives: its rows, which no model trained on yet, are the version's unseen rows (schema
+    and parity) and what its rollout is judged on; the last model of a run that stops waits
+    for the next file."""
     export_args: list[str] = field(default_factory=list)
     """Extra arguments of `python -m training.export` (e.g. ["--parity-rows", "5000"])."""
     model_store: Path = Path("model_store")
     """Where exported versions go when no stack is serving (else the stack's store)."""
     rollout: bool = True
     """After an export, when a stack is serving (serve_dir/plan.json), roll the version out,
-    evaluated against the served default on the file trained last (refused: recorded, go on)."""
+    evaluated against the served default on the file that just arrived, before any model
+    trains on it (refused: recorded, go on)."""
     serve_dir: Path = env_field(SERVE_DIR_ENV, Path("runs/serve"))
     """The running stack's state folder (make serve's)."""
     rollout_eval_rows: int = 20_000
-    """Rows of the file trained last the rollout compares the two versions on (0 = all)."""
+    """Rows of the arriving file (its first) the rollout compares the two versions on, before
+    either trained on them (0 = all)."""
     rollout_args: list[str] = field(default_factory=list)
     """Extra arguments of `python -m serving.tools.rollout` (e.g. ["--dwell-s", "3"])."""
     keep_cache: bool = False
@@ -97,9 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Keep a model fresh: warm-start from the run's latest checkpoint, then for each "
             "new file of --data-dir (name order): score it with the current model (progressive "
-            "validation -> RUN/progressive.jsonl), train one pass on it, checkpoint with the "
-            "file and row position; every continuous.export_every files export a version and, "
-            "when a stack is serving, roll it out evaluated against the served default."
+            "validation -> RUN/progressive.jsonl); every continuous.export_every files, export "
+            "that model with this file as its unseen rows and, when a stack is serving, roll "
+            "it out judged on them against the served default; then train one pass on it "
+            "(the rows of the last partial batch carried to the next file), checkpoint with "
+            "the file and row position."
         ),
         usage="%(prog)s --run-dir RUN --data-dir DIR [--follow] [options] [section.key=value ...]",
     )
@@ -154,3 +161,13 @@ def parse_args(argv: Sequence[str] | None = None) -> ContinuousArgs:
     elif ns.config is not None and cfg.name == "custom":
         cfg = dataclasses.replace(cfg, name=ns.config.stem)
     return ContinuousArgs(cfg, run_dir, ns.resume, not ns.no_progress)
+
+
+def training_config(cfg: ContinuousConfig, path: Path | None) -> dict[str, Any]:
+    """The config recorded in checkpoints: the training sections (``make export`` reads them),
+    with ``data.path`` = the file trained last."""
+    raw = config_to_dict(cfg)
+    raw.pop("continuous", None)
+    if path is not None:
+        raw["data"]["path"] = str(path)
+    return raw

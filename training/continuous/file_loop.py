@@ -1,4 +1,4 @@
-"""The continuous loop: score each arriving file, train one pass on it, checkpoint, publish.
+"""The continuous loop: score each arriving file, publish what it is news to, train on it.
 
 Every rank runs the same loop in the same process group (any number of processes); rank 0
 looks at the data folder and preprocesses each file while the others wait for its outcome
@@ -11,12 +11,16 @@ The per-file schedule:
 2. **progressive validation**: AUC, NE, calibration of the current model on the file (its
    first ``continuous.progressive_rows``, default all) before any of it is trained, one record
    in ``RUN/progressive.jsonl`` and ``progressive/*`` in TensorBoard (step = the file's number);
-3. **train** one pass over the file's rows in a shuffled order of its own (seed: the run's and
-   the file's number), checkpointing every ``continuous.checkpoint_every`` steps and at the
-   end with the ledger (file, row position, trained segments) in ``meta.json``: a run killed
-   mid-file resumes at the last checkpoint's row, and its progressive record is not redone;
-   the last ``rows % train.batch_size`` rows of the order are not trained (recorded);
-4. **publish** every ``continuous.export_every`` files (:mod:`training.continuous.publish`).
+3. **publish**, every ``continuous.export_every`` files trained (:mod:`.publish`): the model
+   trained up to the previous file is exported with this file as the rows it never saw
+   (schema.json, parity) and rolled out judged on them, the served default beside it, before
+   any model trains on them (progressive validation as the gate: docs/operating.md);
+4. **train** one pass: the rows carried from the previous file first, then the file's own, each
+   in a shuffled order of its own (seed: the run's and the file's number; :mod:`.carry`),
+   checkpointing every ``continuous.checkpoint_every`` steps and at the end with the ledger
+   (file, row position, trained segments, rows carried in and out) in ``meta.json``: a run
+   killed mid-file resumes at the last checkpoint's row, and its progressive record is not
+   redone; the last rows of the order, fewer than a global batch, are carried to the next file.
 """
 
 from __future__ import annotations
@@ -29,16 +33,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from training.checkpoint import store as checkpoint
 from training.checkpoint.checkpointer import Checkpointer
 from training.config import config_to_dict
-from training.continuous import inbox
-from training.continuous.config import ContinuousArgs, ContinuousConfig
+from training.continuous import carry, inbox
+from training.continuous.config import ContinuousArgs, training_config
 from training.continuous.inbox import FileRecord, Ledger
-from training.continuous.publish import on_rank0, publish, run_id
-from training.data.loader import Arrays, TrainStream, epoch_order
+from training.continuous.publish import from_rank0, on_rank0, publish, run_id
+from training.data.loader import Arrays, Joined
 from training.errors import DataError, RecsysError
 from training.metrics import baseline
 from training.metrics.evaluator import evaluate
@@ -53,24 +56,6 @@ logger = logging.getLogger("training")
 KILL_AT_STEP_ENV = "RECSYS_TEST_KILL_AT_STEP"
 PROGRESSIVE = "progressive.jsonl"
 EVENTS = "continuous.jsonl"
-
-
-def from_rank0(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank."""
-    box = [value]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def training_config(cfg: ContinuousConfig, path: Path | None) -> dict[str, Any]:
-    """The config recorded in checkpoints: the training sections (``make export`` reads them),
-    with ``data.path`` = the file trained last."""
-    raw = config_to_dict(cfg)
-    raw.pop("continuous", None)
-    if path is not None:
-        raw["data"]["path"] = str(path)
-    return raw
 
 
 class Continuous:
@@ -177,7 +162,7 @@ class Continuous:
             )
         built_from = data.meta.inputs[0]  # the content the cache holds: what is trained
         info = {"source": str(path), "binary": text, "rows": len(arrays),
-                "train_rows": len(arrays), "parse_report": data.meta.parse_report,
+                "train_rows": len(arrays), "eval_rows": 0, "parse_report": data.meta.parse_report,
                 "content": {k: built_from.get(k) for k in ("bytes", "sha256_ends")}}  # fmt: skip
         return arrays, "", info
 
@@ -262,20 +247,23 @@ class Continuous:
         self.checkpointer.save(self.last_metrics)
 
     def train(self, record: FileRecord, arrays: Arrays, path: Path, info: dict[str, Any]) -> None:
-        """One pass over ``arrays`` from ``record.row``, checkpointing with the position."""
+        """One pass over the carried rows then ``arrays`` from ``record.row``, checkpointing
+        with the position; the last rows of the order, fewer than a batch, carried out."""
         cfg, g = self.cfg, self.cfg.train.batch_size
-        stream = TrainStream(
-            arrays, global_batch=g, rank=self.rank, world_size=self.world,
+        head = carry.carried_in(self.run_dir, record, self.ledger.done, self.rank == 0)
+        rows: Arrays | Joined = arrays if head is None else Joined(head, arrays)
+        stream = carry.FileStream(
+            rows, record.carried_in, global_batch=g, rank=self.rank, world_size=self.world,
             rows_per_table=cfg.model.rows(), seed=cfg.train.seed,
             epochs=record.index + 1, start_epoch=record.index, start_row=record.row,
         )  # fmt: skip
-        steps = (len(arrays) - record.row) // g
+        steps = (len(rows) - record.row) // g
         self.progress.epoch, self.progress.rows_in_epoch = record.index, record.row
         step0, row0 = self.progress.step, record.row
         record.begin(step0)
         if self.rank == 0 and record.row:
             logger.info("%s: resuming at row %d of %d (step %d)", record.file, record.row,
-                        len(arrays), step0)  # fmt: skip
+                        len(rows), step0)  # fmt: skip
         loop = make_loop(cfg, self.trainer, self.device, stream, self.progress, step0 + steps,
                          self.loss_log, self.show_bar)  # fmt: skip
         self.pipeline = loop.pipeline
@@ -299,21 +287,28 @@ class Continuous:
         loop.bar.close()
         rate = loop.window.samples_per_sec()
         record.advance(start, row0 + (self.progress.step - step0) * g, self.progress.step)
+        carry.carry_out(self.run_dir, record, stream, rows, self.rank == 0)
+        if self.baseline is not None:  # the rows the model trained, in its order: carried first
+            trained = stream.order(record.index)[: record.row]
+            n_head = 0 if head is None else len(head)
+            if head is not None:
+                self.baseline.fit(head, trained[trained < n_head])
+            self.baseline.fit(arrays, trained[trained >= n_head] - n_head)
         self.file_stats = {"samples_per_sec": round(rate, 1) if rate else None,
                            "train_loss": loop.window.loss_sum / loop.window.steps
                            if loop.window.steps else None}  # fmt: skip
 
     # -- the loop ----------------------------------------------------------------------------
 
-    def publish(self, newest: Path) -> None:
-        """Export the current step; roll it out evaluated on ``newest``, the file trained last
-        (the served default is at most ``export_every`` files older than it)."""
+    def publish(self, unseen: Path) -> None:
+        """Export the current step, with ``unseen`` (the file that arrived, not trained yet) as
+        the rows it never saw, and roll it out judged on them against the served default."""
         step = self.progress.step
         index = len(self.ledger.done) - 1  # the file number it follows
 
         def work() -> list[dict[str, Any]]:
             try:
-                return publish(self.cfg, self.run_dir, step, newest)
+                return publish(self.cfg, self.run_dir, step, unseen)
             except Exception as e:  # recorded; the loop goes on
                 return [{"event": "export", "ok": False, "step": step, "error": repr(e)}]
 
@@ -334,20 +329,23 @@ class Continuous:
         every = self.c.export_every
         return self.c.learn and bool(every) and self.ledger.files_since_export >= every
 
+    def published(self) -> None:
+        """At the start: a publish the checkpoint says is due, that the log shows done (the
+        run was stopped after it, before its next checkpoint), is not done again; one not
+        done waits for the next file, the rows it will be judged on."""
+        step = self.progress.step
+        logged = self.rank == 0 and any(
+            e.get("event") == "export" and e.get("step") == step
+            for e in self._records(self.run_dir / EVENTS)
+        )
+        if from_rank0(logged):
+            self.ledger.files_since_export, self.ledger.exported_step = 0, step
+
     def run(self) -> dict[str, Any]:
         """Files until none is left (or ``max_files``), polling when following."""
         c, done = self.c, 0
-        if self.due():  # the checkpoint says a publish was due: done unless the log has it
-            step = self.progress.step
-            published = self.rank == 0 and any(
-                e.get("event") == "export" and e.get("step") == step
-                for e in self._records(self.run_dir / EVENTS)
-            )
-            if from_rank0(published):
-                self.ledger.files_since_export, self.ledger.exported_step = 0, step
-            else:  # killed before it: publish what the checkpoint holds
-                last = self.ledger.done[-1].file
-                self.publish(self.data_dir / last)
+        if self.due():
+            self.published()
         while not (c.max_files and done >= c.max_files):
             name = self.next_file()
             if name is None:
@@ -364,29 +362,34 @@ class Continuous:
                 name, len(arrays), info["content"]
             )
             self.validate(record, arrays)
+            if self.due():  # the model before this file, judged on it: rows no model saw
+                self.publish(path)
             t0 = time.perf_counter()
             self.file_stats = {}
             if c.learn:
                 self.train(record, arrays, path, info)
-                if self.baseline is not None:  # the rows the model trained, in its order
-                    order = epoch_order(len(arrays), self.cfg.train.seed, record.index)
-                    self.baseline.fit(arrays, order[: record.row])
             record.done = True
             self.ledger.files_since_export += 1
             self.save(path, info)
             done += 1
-            self.events.write({"event": "file", "file": name, "rows": record.rows,
-                               "trained_rows": record.row, "dropped_rows": record.rows - record.row if c.learn else 0,
-                               "segments": record.segments, "step": self.progress.step,
-                               "seconds": round(time.perf_counter() - t0, 1), **self.file_stats})  # fmt: skip
+            self.events.write({
+                "event": "file", "file": name, "rows": record.rows, "trained_rows": record.row,
+                "carried_in": record.carried_in, "carried_out": record.carried_out,
+                "segments": record.segments, "step": self.progress.step,
+                "seconds": round(time.perf_counter() - t0, 1), **self.file_stats,
+            })  # fmt: skip
             if self.rank == 0:
-                logger.info("%s: trained %d of %d rows, step %d", name, record.row, record.rows,
-                            self.progress.step)  # fmt: skip
+                logger.info("%s: trained %d rows (%d of them carried in from the previous file)"
+                            ", %d carried to the next; step %d", name, record.row,
+                            record.carried_in, record.carried_out, self.progress.step)  # fmt: skip
+                # kept: this file's carried rows and those a retained checkpoint inside it needs
+                first = record.index if record.carry_from is None else record.carry_from
+                carry.prune(self.run_dir, first)
                 if not c.keep_cache:
                     inbox.drop_cache(Path(info["binary"]))
-            if self.due():
-                self.publish(path)
         self.tb.close()
         self.tb_files.close()
+        pending = self.ledger.done[-1].carried_out if self.ledger.done else 0
         return {"files": done, "step": self.progress.step, "consumed": len(self.ledger.done),
+                "carried_rows": pending, "publish_due": self.due(),
                 "run_dir": str(self.run_dir)}  # fmt: skip

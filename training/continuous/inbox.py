@@ -21,7 +21,9 @@ mtime and ctime), not at every poll.
 
 **Ledger** (in every checkpoint's ``meta.json`` under ``"continuous"``): the files consumed,
 each with its rows, the rows trained and the ``[from, to)`` row segments of its shuffled order
-trained between checkpoints, its content, and the file in progress with its row position. A
+trained between checkpoints, the rows carried in from the previous file and out to the next
+(training/continuous/carry.py: ``carried_in + rows == row + carried_out``), its content, and
+the file in progress with its row position. A
 file in progress that is replaced meanwhile is closed with the rows it had (the rest of the
 old bytes are gone) and its new content starts as a new file. It moves with
 the model it describes: a run killed mid-file resumes at the position of its checkpoint, so
@@ -133,6 +135,9 @@ class FileRecord:
     steps: list[int] = field(default_factory=list)  # [step before its first, its last step]
     done: bool = False
     content: Content | None = None  # what it held (module doc); None in an older ledger
+    carried_in: int = 0  # rows of the previous file that open its order (carry.py)
+    carry_from: int | None = None  # the number of the file they were carried out of
+    carried_out: int = 0  # the last rows of its order, fewer than a batch: to the next file
 
     def advance(self, start: int, to: int, step: int) -> None:
         """Record rows ``[start, to)`` as trained, the last of them at ``step`` (at a

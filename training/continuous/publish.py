@@ -10,14 +10,14 @@ goes on: the stack keeps serving what it served.
 
 The stack is the one ``make serve`` recorded in ``continuous.serve_dir`` (``serve.json``,
 ``plan.json``): the version goes to its model store, and is rolled out when the plan serves
-the same model name (``dlrm-<preset>``). The rollout compares the candidate with the served
-default on the newest file, the one trained last (``--eval-data FILE --holdout 0``, at most
-``continuous.rollout_eval_rows`` rows) with the rollout's own rules: its margin, and the
-refusal when the default itself scores near chance there. The candidate has trained on
-those rows once, so the gate stops a broken or regressed candidate; what freshness buys is
-measured before training, by the progressive validation. (Not the newest file present: in a
-backlog, the served model can be days older than it, and a stale model's NE above 1 there
-would refuse every candidate as "data that does not fit the model".)
+the same model name (``dlrm-<preset>``). **What it is judged on**: the file that just arrived,
+which no model has trained on yet (the loop publishes before training on it). The export
+records it as the version's unseen rows (``--unseen-data``: schema.json ``data.unseen``, and
+the parity rows), and the rollout takes its default rows, those the candidate never saw (at
+most ``continuous.rollout_eval_rows``, the file's first), which the served default, an older
+model, never saw either; the rollout checks that against the default's own record and says
+so. The rows' source (file, row range, unseen by whom) is in the rollout's record. Its rules
+stand: the margin, and the refusal when the default itself scores near chance there.
 
 **Identity, not the name.** ``<name>-<step>.mar`` in the store is reused only when it is
 this run's export of this checkpoint: each archive carries ``identity.json`` (added by this
@@ -62,6 +62,14 @@ POLL_S = 2.0
 RUN_ID = "run_id"  # in the run directory: the run's uuid
 IDENTITY = "identity.json"  # in the .mar: who exported it, from what
 IDENTITY_KEYS = ("run_id", "step", "digest")  # what must match for a reuse
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    box = [value]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def on_rank0(fn: Callable[[], Any], rank: int) -> Any:
@@ -194,11 +202,17 @@ def _stamp_and_place(built: Path, mar: Path, ident: dict[str, Any]) -> None:
 
 
 def export(
-    cfg: ContinuousConfig, run_dir: Path, step: int, store: Path, base: dict[str, Any]
+    cfg: ContinuousConfig,
+    run_dir: Path,
+    step: int,
+    store: Path,
+    base: dict[str, Any],
+    unseen: Path | None = None,
 ) -> dict[str, Any]:
     """Export ``run_dir``'s latest checkpoint (step ``step``) into ``store`` under a version
     that is this run's and this checkpoint's, or reuse the one exported before a restart
-    (module doc); the export record (``version`` and ``mar`` set)."""
+    (module doc), ``unseen`` recorded as rows it never trained on; the export record
+    (``version`` and ``mar`` set)."""
     name = base["model"]
     ckpt = checkpoint.read_latest(run_dir / "checkpoints")
     if ckpt is None:
@@ -216,6 +230,8 @@ def export(
         logger.warning("%s: exporting this run's step %d under another version", line, step)
     record: dict[str, Any] = {**base, "event": "export", "version": version,
                               "run_id": ident["run_id"], "checkpoint_digest": ident["digest"]}  # fmt: skip
+    if unseen is not None:
+        record["unseen"] = str(unseen)
     if collisions:
         record["collisions"] = collisions
     if version is None:
@@ -231,7 +247,8 @@ def export(
     shutil.rmtree(staging, ignore_errors=True)
     cmd = [sys.executable, "-m", "training.export", "--run-dir", str(run_dir),
            "--checkpoint", str(ckpt), "--version", version, "--model-store", str(staging),
-           "--no-progress", *cfg.continuous.export_args]  # fmt: skip
+           "--no-progress", *(["--unseen-data", str(unseen)] if unseen else []),
+           *cfg.continuous.export_args]  # fmt: skip
     try:
         code, out = _run(cmd)
         if code == 0:
@@ -247,16 +264,16 @@ def export(
     return record
 
 
-def publish(cfg: ContinuousConfig, run_dir: Path, step: int, newest: Path) -> list[dict[str, Any]]:
+def publish(cfg: ContinuousConfig, run_dir: Path, step: int, unseen: Path) -> list[dict[str, Any]]:
     """Export step ``step`` of ``run_dir`` as version ``<step>`` (another when that name is
-    another model's: module doc), then roll it out if a stack serves this model; returns the
-    records (export, and rollout when one ran)."""
+    another model's: module doc), ``unseen`` its rows never trained on, then roll it out if a
+    stack serves this model; returns the records (export, and rollout when one ran)."""
     c = cfg.continuous
     name = f"dlrm-{cfg.name}"
     served_model, store = serving_stack(c.serve_dir) if c.rollout else (None, None)
     store = store or c.model_store
     base = {"step": step, "version": str(step), "model": name, "time": time.time()}
-    record = export(cfg, run_dir, step, store, base)
+    record = export(cfg, run_dir, step, store, base, unseen)
     records: list[dict[str, Any]] = [record]
     if not record["ok"]:
         return records
@@ -268,21 +285,29 @@ def publish(cfg: ContinuousConfig, run_dir: Path, step: int, newest: Path) -> li
         records.append({**base, "event": "rollout", "promoted": False,
                         "reason": f"the stack serves {served_model}, not {name}"})  # fmt: skip
         return records
-    records.append(rollout(cfg, version, newest, base))
+    records.append(rollout(cfg, version, base))
     return records
 
 
-def rollout(cfg: ContinuousConfig, version: str, newest: Path, base: dict[str, Any]) -> dict:
-    """``python -m serving.tools.rollout --version V --eval-data NEWEST``; its report."""
+def rollout(cfg: ContinuousConfig, version: str, base: dict[str, Any]) -> dict[str, Any]:
+    """``python -m serving.tools.rollout --version V`` on the candidate's own unseen rows (its
+    default, module doc); its report, with the rows' source."""
     c = cfg.continuous
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "serving.tools.rollout", "--version", version,
-           "--workdir", str(c.serve_dir), "--eval-data", str(newest), "--holdout", "0",
-           "--eval-rows", str(c.rollout_eval_rows), "--no-progress", *c.rollout_args]  # fmt: skip
+           "--workdir", str(c.serve_dir), "--eval-rows", str(c.rollout_eval_rows),
+           "--no-progress", *c.rollout_args]  # fmt: skip
     code, out = _run(cmd)
     record: dict[str, Any] = {**base, "event": "rollout", "promoted": code == 0,
-                              "eval_data": str(newest),
                               "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    return {**record, **rollout_outcome(code, out)}
+
+
+def rollout_outcome(code: int, out: str) -> dict[str, Any]:
+    """What the record keeps of a rollout command's exit ``code`` and output ``out`` (its
+    report file, named on its ``report:`` line): both versions' AUC, the rows they were
+    compared on (``eval``: files, row range, unseen by whom), the default it ran against, and
+    why it was refused."""
     report_line = [line for line in out.splitlines() if line.startswith("report: ")]
     report: dict[str, Any] = {}
     if report_line:
@@ -291,9 +316,12 @@ def rollout(cfg: ContinuousConfig, version: str, newest: Path, base: dict[str, A
         except (OSError, ValueError):
             report = {}
     evaluation = report.get("evaluation", {})
+    record: dict[str, Any] = {}
     for who in ("default", "candidate"):
         if who in evaluation:
             record[f"auc_{who}"] = evaluation[who].get("auc")
+    if "source" in evaluation:
+        record["eval"] = evaluation["source"]
     record["from"] = report.get("from")
     if code:
         refused = [line for line in out.splitlines() if line.startswith("refused")]

@@ -50,6 +50,49 @@ class Arrays:
             self.hashed_for,
         )
 
+    def take(self, idx: np.ndarray) -> Arrays:
+        """Rows ``idx`` gathered into arrays of their own (a copy: a batch's worth)."""
+        return Arrays(
+            np.asarray(self.labels[idx]),
+            np.asarray(self.dense[idx]),
+            np.asarray(self.sparse[idx]),
+            None if self.prob is None else np.asarray(self.prob[idx]),
+            self.hashed_for,
+        )
+
+
+@dataclass
+class Joined:
+    """The rows of ``head`` then those of ``tail``, neither copied: the continuous loop's rows
+    carried from the previous file before a file's own (training/continuous/carry.py)."""
+
+    head: Arrays
+    tail: Arrays
+
+    def __post_init__(self) -> None:
+        if self.head.hashed_for != self.tail.hashed_for:
+            raise ValueError(
+                f"rows carried from the previous file hold ids hashed for tables of "
+                f"{self.head.hashed_for} rows, the file's for {self.tail.hashed_for}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def take(self, idx: np.ndarray) -> Arrays:
+        """Rows ``idx`` (sorted, of the joined numbering) gathered from both parts."""
+        cut = int(np.searchsorted(idx, len(self.head)))
+        a, b = self.head.take(idx[:cut]), self.tail.take(idx[cut:] - len(self.head))
+        # true probabilities (synthetic days) only when both parts have them
+        prob = None if a.prob is None or b.prob is None else np.concatenate([a.prob, b.prob])
+        return Arrays(
+            np.concatenate([a.labels, b.labels]),
+            np.concatenate([a.dense, b.dense]),
+            np.concatenate([a.sparse, b.sparse]),
+            prob,
+            self.tail.hashed_for,
+        )
+
 
 @dataclass
 class ModelBatch:
@@ -60,7 +103,7 @@ class ModelBatch:
     prob: torch.Tensor | None  # float32[B] oracle probabilities
 
 
-def make_batch(arrays: Arrays, idx: np.ndarray, rows_per_table: np.ndarray) -> ModelBatch:
+def make_batch(arrays: Arrays | Joined, idx: np.ndarray, rows_per_table: np.ndarray) -> ModelBatch:
     """Gather rows ``idx`` into a torchrec Batch: transformed dense, table rows in a KJT.
 
     The transforms are the artifact's own (``training.features``). Ids are hashed once: by
@@ -68,6 +111,8 @@ def make_batch(arrays: Arrays, idx: np.ndarray, rows_per_table: np.ndarray) -> M
     (raw ids); ids hashed for other table sizes are an error, not hashed again. Missing ids
     (-1) become zero-length bags, so each feature has 0 or 1 id per example.
     """
+    if isinstance(arrays, Joined):  # gathered from both parts first (sorted ``idx``)
+        arrays, idx = arrays.take(idx), np.arange(len(idx))
     rows = torch.as_tensor(rows_per_table, dtype=torch.int64)
     if arrays.hashed_for is not None and list(arrays.hashed_for) != rows.tolist():
         raise ValueError(
@@ -158,7 +203,7 @@ class TrainStream:
 
     def __init__(
         self,
-        arrays: Arrays,
+        arrays: Arrays | Joined,
         *,
         global_batch: int,
         rank: int,

@@ -56,7 +56,12 @@ class ExportConfig:
     when cpu_variant = fastest). Off by default: at the criteo-kaggle shape it took 146 s of
     a 254 s export, and a shared machine's load moves it 3x (docs/export.md)."""
     eval_data: Path | None = None
-    """A Criteo TSV to check parity on instead of the run's eval split."""
+    """A Criteo TSV to check parity on instead of the run's eval split (or ``unseen_data``)."""
+    unseen_data: Path | None = None
+    """A Criteo TSV none of whose rows the checkpoint trained on (the continuous loop passes
+    the file that arrived after it): schema.json records it as the version's unseen rows, the
+    default rows of make score / evaluate / rollout, and parity is checked on it (unless
+    ``eval_data``). Without it, a batch run's unseen rows are its held-out split."""
     force: bool = False
     """Export even when parity fails (recorded in parity.json and schema.json)."""
     overwrite: bool = False

@@ -31,13 +31,13 @@ import torch
 
 import recsys_model
 from recsys_model.features import DESCRIPTION as TRANSFORMS
-from recsys_stack import datafile
 from training.data.loader import Arrays
 from training.errors import DataError
 from training.export import variants
 from training.export.archive import archive, check_owner, check_target
 from training.export.config import ExportConfig
 from training.export.parity import gate, latency_report, parity_report, write_sample
+from training.export.record import data_record
 from training.export.scorer import CPU_ROW_ALIGNMENT, load_config, resolve_checkpoint
 from training.features import DENSE_NAMES, SPARSE_NAMES, table_name
 
@@ -58,14 +58,16 @@ LATENCY_BATCH = "100"  # the batch size variants are compared (and the CPU's fas
 
 
 def parity_arrays(ecfg: ExportConfig, train_cfg: Any) -> Arrays:
-    """Held-out rows: ``--eval-data`` or the run's eval split, at most ``parity_rows``."""
+    """Rows the checkpoint did not train on: ``--eval-data``, ``--unseen-data`` or the run's
+    eval split, at most ``parity_rows``."""
     from training.data.binary import ensure_binary, load_binary
     from training.data.prep import prepare_data
 
     tables = list(train_cfg.model.rows())  # the cache training built: ids hashed once
-    if ecfg.eval_data is not None:
+    given = ecfg.eval_data or ecfg.unseen_data
+    if given is not None:
         out_dir, _ = ensure_binary(
-            [ecfg.eval_data], Path(train_cfg.data.cache_dir), progress=ecfg.progress,
+            [given], Path(train_cfg.data.cache_dir), progress=ecfg.progress,
             rows_per_table=tables,
         )  # fmt: skip
         data = load_binary(out_dir)
@@ -78,23 +80,6 @@ def parity_arrays(ecfg: ExportConfig, train_cfg: Any) -> Arrays:
     if len(set(np.asarray(arrays.labels).tolist())) < 2:
         raise DataError(f"the {len(arrays)} eval rows have a single label: AUC is undefined")
     return arrays
-
-
-def data_record(cfg: Any, meta: dict[str, Any]) -> dict[str, Any]:
-    """The data the run trained and held out rows of (schema.json ``data``: files with their
-    fingerprints, rows, the held-out split; :mod:`recsys_stack.datafile`)."""
-    from training.data.criteo import resolve_data_paths
-    from training.data.prep import synthetic_path
-
-    info = meta.get("data", {})
-    try:
-        files = resolve_data_paths(cfg.data.path) if cfg.data.path else [synthetic_path(cfg.data)]
-    except DataError:  # gone since training: recorded by path, the tools then refuse it
-        files = [Path(cfg.data.path)]
-    skipped = int(info.get("parse_report", {}).get("rows_bad", 0))
-    rows = int(info.get("rows", 0))
-    eval_rows = int(info.get("eval_rows", round(rows * cfg.data.eval_fraction)))
-    return datafile.record(files, rows, skipped, cfg.data.eval_fraction, eval_rows)
 
 
 def build_schema(
@@ -144,7 +129,7 @@ def build_schema(
             "run_dir": str(run_dir.resolve()),
             "world_size": meta.get("world_size"),
         },
-        "data": data_record(cfg, meta),
+        "data": data_record(cfg, meta, ecfg.unseen_data),
         "training_metrics": meta.get("metrics", {}),
         "parity": {"ok": parity["ok"], "forced": parity.get("forced", False), "auc": parity["auc"]},
         "versions": {"torch": torch.__version__},
