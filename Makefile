@@ -180,9 +180,9 @@ bench-scale: setup  ## export/serving vs table size (SCALE_ARGS), preprocessing 
 	$(if $(filter training,$(SCALE_STAGES)),$(PY) -m training.bench.scale $(SCALE_TRAIN_ARGS))
 
 # The suite in TEST_WORKERS parallel pytest-xdist workers (most tests wait on processes they
-# started: TorchServe, torchrun, Locust). Default 0 (one process) until a full parallel run is green
-# beside a CPU hog; TEST_WORKERS=3 is the parallel mode under test (issue 31).
-TEST_WORKERS ?= 0
+# started: TorchServe, torchrun, Locust; 3 on 2 cores overlap those waits). TEST_WORKERS=0: one
+# process.
+TEST_WORKERS ?= 3
 test: test-deps setup  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
 	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) --ignore=tests/containers $(PYTEST_ARGS)
 

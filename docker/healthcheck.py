@@ -29,7 +29,14 @@ def torchserve(timeout: float = 3.0) -> bool:
     except (OSError, ValueError) as e:  # no archive in the model store
         print(f"torchserve: {e}", file=sys.stderr)
         return False
-    return process.ready_workers(cfg, timeout) > 0
+    if process.ready_workers(cfg, timeout) > 0:
+        return True
+    print(
+        f"torchserve: no READY worker of {cfg.model_name} {cfg.model_version} "
+        f"({cfg.mar_file}) on the management port {cfg.management_port} within {timeout:g} s",
+        file=sys.stderr,
+    )
+    return False
 
 
 def gateway(timeout: float = 3.0) -> bool:
