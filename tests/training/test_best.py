@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.training.test_units import _fake_complete as _complete  # a step dir, as DCP leaves it
 from training.checkpoint import store
 from training.checkpoint.checkpointer import Checkpointer
 from training.config import load_config
@@ -50,14 +51,6 @@ def test_the_monitor_keeps_the_best_and_counts_patience() -> None:
     other = Monitor("ne")
     other.load_state_dict(m.state_dict())  # of another metric: starts afresh
     assert other.best_step is None
-
-
-def _complete(root: Path, step: int) -> Path:
-    d = root / store.step_dir_name(step)
-    d.mkdir(parents=True)
-    (d / ".metadata").write_bytes(b"x")
-    (d / store.META).write_text("{}")
-    return d
 
 
 def test_pruning_keeps_what_best_names_and_resume_and_export_take_it(tmp_path: Path) -> None:
