@@ -17,6 +17,7 @@ codes are the stage's own).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -61,41 +62,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 HELP = ("-h", "--help")
 
 
-def _help_first(argv: Sequence[str] | None, parse: Callable[[list[str]], object]) -> None:
-    """``parse(argv)`` when ``argv`` asks for help: argparse prints it and exits 0."""
+def _stage(argv: Sequence[str] | None, parse: Callable[[list[str]], object], module: str) -> int:
+    """``module.main(argv)``, after ``parse(argv)`` has printed the help (and exited 0) when
+    ``argv`` asks for it: ``parse`` is the stage's torch-free parser, ``module`` imports torch."""
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in HELP for a in args):
         parse(args)
+    main: Callable[[Sequence[str] | None], int] = importlib.import_module(module).main
+    return main(argv)
 
 
 def train(argv: Sequence[str] | None = None) -> int:
     """``recsys-train``: :func:`training.train.main`."""
     from training.config import parse_args
 
-    _help_first(argv, parse_args)
-    from training.train import main
-
-    return main(argv)
+    return _stage(argv, parse_args, "training.train")
 
 
 def continuous(argv: Sequence[str] | None = None) -> int:
     """``recsys-continuous``: :func:`training.continuous.__main__.main`."""
     from training.continuous.config import parse_args
 
-    _help_first(argv, parse_args)
-    from training.continuous.__main__ import main
-
-    return main(argv)
+    return _stage(argv, parse_args, "training.continuous.__main__")
 
 
 def bench(argv: Sequence[str] | None = None) -> int:
     """``recsys-bench-training``: :func:`training.bench.run.main`."""
     from training.bench.options import build_parser
 
-    _help_first(argv, build_parser().parse_intermixed_args)
-    from training.bench.run import main
-
-    return main(argv)
+    return _stage(argv, build_parser().parse_intermixed_args, "training.bench.run")
 
 
 if __name__ == "__main__":
