@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from recsys_stack.net import PORT_RANGE_ENV
+from tests import warm
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -57,9 +58,14 @@ def run_train(
     env: dict[str, str] | None = None,
     timeout: float = 300,
     check: bool = True,
+    cold: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nproc_per_node=nproc -m training.train args`` (plain python for nproc=0)."""
-    if nproc == 0:
+    """``torchrun --nproc_per_node=nproc -m training.train args`` (plain python for nproc=0:
+    a child of the warm Python, ``tests/warm.py``, unless ``cold``)."""
+    if nproc == 0 and not cold:
+        proc = warm.run_module("training.train", args, ROOT, _env(env), timeout)
+        cmd = proc.args
+    elif nproc == 0:
         cmd = [sys.executable, "-m", "training.train", *args]
     else:
         cmd = [
@@ -70,9 +76,10 @@ def run_train(
             "training.train",
             *args,
         ]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout
-    )
+    if nproc != 0 or cold:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout
+        )
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} exited {proc.returncode}\n--- stderr (tail) ---\n{proc.stderr[-4000:]}"
@@ -132,12 +139,18 @@ SHARDED = [
 ]
 
 
-def run_export(args: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    """``python -m training.export args`` in a subprocess."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "training.export", "--no-progress", *args],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+def run_export(
+    args: list[str], check: bool = True, cold: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """``python -m training.export args``: a child of the warm Python (``tests/warm.py``), or
+    a process of its own (``cold``: what a cold start prints, its import-time noise, is
+    checked)."""
+    args = ["--no-progress", *args]
+    if cold:
+        proc = subprocess.run([sys.executable, "-m", "training.export", *args], cwd=ROOT,
+                              env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    else:
+        proc = warm.run_module("training.export", args, ROOT, _env(), 300)
     if check and proc.returncode != 0:
         raise AssertionError(f"export exited {proc.returncode}\n{proc.stderr[-3000:]}")
     return proc
@@ -175,7 +188,9 @@ def _train_and_export(folder: Path, data: list[str]) -> str:
     step so that no test copies the run while its export is being written."""
     run, store = folder / "run", folder / "store"
     run_train([*EXPORT_TINY, "--run-dir", str(run), *data, *SHARDED], nproc=2)
-    proc = run_export(["--run-dir", str(run), "--model-store", str(store), "--version", "1.0"])
+    proc = run_export(
+        ["--run-dir", str(run), "--model-store", str(store), "--version", "1.0"], cold=True
+    )
     assert not third_party_noise(proc.stdout + proc.stderr), third_party_noise(proc.stderr)[:10]
     return proc.stdout
 
@@ -217,7 +232,7 @@ def exported_portable(
         shutil.copytree(trained, run, ignore=shutil.ignore_patterns("export", ".export*"))
         proc = run_export(
             ["--run-dir", str(run), "--model-store", str(base / "store"), "--version", "1.0",
-             "--formats", PORTABLE_FORMATS, "--latency"]
+             "--formats", PORTABLE_FORMATS, "--latency"], cold=True,
         )  # fmt: skip
         noise = third_party_noise(proc.stdout + proc.stderr)
         assert not noise, noise[:10]
@@ -251,19 +266,23 @@ def _root_logging_restored() -> Iterator[None]:
 # pytest-xdist (make test) each module runs whole in one worker (--dist loadfile: its module
 # fixtures, a TorchServe or a trained run, are built once, not once per worker that got one of
 # its tests), and the longest go first so that none starts last and runs alone at the end
-# (longest-processing-time-first). Only the order depends on this list: a module missing from
-# it runs after these, in collection order.
+# (longest-processing-time-first), except that the third is one that needs no session build:
+# the second builds the tiny run its fixtures ask for, and a third waiting on it idles a
+# worker for that minute. Only the order depends on this list: a module missing from it runs
+# after these, in collection order.
 LONGEST_FIRST = (
-    "training/test_continuous.py", "serving/test_rollout.py", "training/test_export.py",
-    "training/test_train.py", "training/test_portable.py", "training/test_multinode.py",
-    "training/test_errors.py", "serving/test_failover.py", "loadtest/test_loadtest.py",
-    "training/test_frozen_recipe.py", "serving/test_mapped.py", "serving/test_canary.py",
-    "serving/test_gateway.py", "loadtest/test_chaos.py", "training/test_atomic.py",
-    "training/test_presets_guard.py", "serving/test_scale.py", "serving/test_portable.py",
-    "serving/test_bench.py", "test_notebook.py", "serving/test_auth.py",
-    "training/test_bench_scale.py", "serving/test_limits.py", "serving/test_takeover.py",
-    "training/test_model_name.py", "training/test_preprocess.py", "serving/test_kserve_rest.py",
-    "serving/test_supervisor.py", "serving/test_tls_tools.py",
+    "training/test_continuous.py", "serving/test_rollout.py", "training/test_train.py",
+    "training/test_frozen_recipe.py", "training/test_export.py", "loadtest/test_loadtest.py",
+    "training/test_portable.py", "loadtest/test_chaos.py", "training/test_multinode.py",
+    "serving/test_mapped.py", "serving/test_gateway.py", "serving/test_canary.py",
+    "serving/test_scale.py", "training/test_errors.py", "serving/test_failover.py",
+    "test_notebook.py", "serving/test_auth.py", "serving/test_portable.py",
+    "serving/test_overload.py", "training/test_model_name.py", "training/test_bench_scale.py",
+    "training/test_presets_guard.py", "serving/test_supervisor.py", "serving/test_takeover.py",
+    "serving/test_limits.py", "serving/test_bench.py", "serving/test_defaults.py",
+    "serving/test_discovery.py", "serving/test_threads.py", "serving/test_admission.py",
+    "serving/test_tls_tools.py", "training/test_preprocess.py", "serving/test_kserve_rest.py",
+    "training/test_atomic.py", "serving/test_metrics.py", "serving/test_torchserve.py",
 )  # fmt: skip
 
 

@@ -40,7 +40,7 @@ def big_export(tmp_path_factory: pytest.TempPathFactory, data_dirs: list[str]) -
     store = tmp_path_factory.mktemp("big_store")
     run_train(
         [*EXPORT_TINY, "--run-dir", str(run), *data_dirs, f"model.num_embeddings={ROWS}",
-         "train.max_steps=20"], nproc=1,
+         "train.max_steps=20"], nproc=0,
     )  # fmt: skip
     run_export(["--run-dir", str(run), "--model-store", str(store), "--name", "dlrm-big",
                 "--version", "1.0"])  # fmt: skip

@@ -28,10 +28,12 @@ def recipe() -> list[str]:
 
 
 def on_tiny(line: str) -> str:
-    """The line for the tiny preset on small days; make told the venv is built (as the suite's
+    """The line for the tiny preset on small days and one process (the loop on 2 ranks is
+    tests/training/test_continuous.py's); make told the venv is built (as the suite's
     make_command does)."""
     for old, new in (("PRESET=demo", "PRESET=tiny"), ("--days 6", "--days 3"),
-                     ("--rows 200000", "--rows 3000"), ("--vocab 1000", "--vocab 100")):  # fmt: skip
+                     ("--rows 200000", "--rows 3000"), ("--vocab 1000", "--vocab 100"),
+                     ("make continuous ", "make continuous NPROC=1 ")):  # fmt: skip
         line = line.replace(old, new)
     venv = VENV_BIN.parent
     if line.startswith("make "):

@@ -62,7 +62,7 @@ def test_a_run_not_worth_serving_warns_at_its_end_and_records_why(
     args = ["--config", "training/configs/tiny.toml", "--run-dir", str(run), "--no-progress",
             *data_dirs, "data.synthetic_rows=1000", "optim.dense_lr=0.0",
             "optim.embedding_lr=0.0"]  # fmt: skip
-    proc = run_train(args, nproc=1)
+    proc = run_train(args, nproc=0)
     final = json.loads(proc.stdout.strip().splitlines()[-1])["final"]
     warnings = final["warnings"]
     assert len(warnings) == 3, warnings
@@ -91,7 +91,7 @@ def test_a_run_that_uses_its_rows_does_not_warn(tmp_path: Path, data_dirs: list[
     run = tmp_path / "run"
     args = ["--config", "training/configs/tiny.toml", "--run-dir", str(run), "--no-progress",
             *data_dirs, "data.synthetic_rows=2800", "baseline.enabled=false"]  # fmt: skip
-    proc = run_train(args, nproc=1)
+    proc = run_train(args, nproc=0)
     final = json.loads(proc.stdout.strip().splitlines()[-1])["final"]
     assert final["ne"] < 1 and "warnings" not in final and "baseline_auc" not in final, final
     assert " WARNING training: " not in proc.stderr, proc.stderr[-2000:]

@@ -28,9 +28,9 @@ def _scalar_steps(run: Path) -> dict[str, list[int]]:
 
 
 def _resume_on_one_rank(src: Path, run: Path, data_dirs: list[str], max_steps: int) -> Path:
-    """1 process, PLAN_B, resuming ``src`` into a new run directory, up to ``max_steps``."""
+    """1 process (no torchrun: world size 1), PLAN_B, resuming ``src`` into a new run directory, up to ``max_steps``."""
     args = ["--run-dir", str(run), "--resume", str(src), *data_dirs, *PLAN_B]
-    run_train([*TINY, *args, f"train.max_steps={max_steps}"], nproc=1)
+    run_train([*TINY, *args, f"train.max_steps={max_steps}"], nproc=0)
     return run
 
 
