@@ -96,6 +96,49 @@ else
 	done; rc=0; for p in "$${pids[@]}"; do wait $$p || rc=$$?; done; exit $$rc
 endif
 
+# Slurm (deploy/slurm/*.sbatch, docs/deploy.md "Slurm"): the variables of `make train` plus
+# NNODES (one torchrun per node, NPROC processes each), SHARES (first a job array of SHARES
+# tasks that preprocess the input, the training job after it: --dependency=afterok),
+# SBATCH_ARGS (sbatch's own for the training job: --partition, --time, --cpus-per-task,
+# --gres ...) and PREPARE_SBATCH_ARGS (the same for the array's tasks). Run from the
+# repository on storage every node sees; each prints its job ids. Submitted again (after a
+# scancel, a failure, a preemption), the training job resumes RUN/checkpoints/latest.
+SHARES ?=
+SBATCH_ARGS ?=
+PREPARE_SBATCH_ARGS ?=
+SLURM_VARS := PRESET RUN DATA ARGS NPROC RDZV_TIMEOUT
+shq = '$(subst ','\'',$(1))'
+sbatch_env = $(foreach v,$(SLURM_VARS),$(v)=$(call shq,$($(v)))) PY=$(call shq,$(abspath $(PY)))
+need_sbatch = command -v sbatch >/dev/null || { echo "error: no sbatch here: run this on a Slurm \
+  login node (or 'make slurm-deps' for a one-node cluster on this machine)" >&2; exit 1; }; mkdir -p $(RUN)
+submit_prepare = prep=$$($(sbatch_env) sbatch --parsable --array=0-$$(($(SHARES) - 1)) \
+  --output=$(RUN)/slurm-prepare-%A_%a.out $(PREPARE_SBATCH_ARGS) deploy/slurm/prepare.sbatch); prep=$${prep%%;*}; \
+  echo "submitted preprocessing job array $$prep ($(SHARES) tasks): squeue -j $$prep; logs $(RUN)/slurm-prepare-$${prep}_<task>.out"
+.PHONY: train-slurm prepare-slurm
+train-slurm: setup  ## sbatch training of PRESET on NNODES nodes x NPROC into RUN (Slurm; SHARES=N: preprocess as an N-task job array first); prints the job id
+	@set -e; $(need_sbatch); dep=""; \
+	$(if $(SHARES),$(submit_prepare); dep="--dependency=afterok:$$prep --kill-on-invalid-dep=yes";) \
+	job=$$($(sbatch_env) sbatch --parsable --nodes=$(NNODES) $$dep --output=$(RUN)/slurm-%j.out \
+	  $(SBATCH_ARGS) deploy/slurm/train.sbatch); job=$${job%%;*}; \
+	echo "submitted training job $$job ($(NNODES) nodes x $(NPROC)$(if $(SHARES), after $$prep)): squeue -j $$job; log $(RUN)/slurm-$$job.out; scancel $$job stops it, the same command resumes"
+
+prepare-slurm: setup  ## sbatch preprocessing of PRESET's input (DATA) as a job array of SHARES tasks (Slurm; then make train-slurm merges); prints the job id
+	@set -e; $(if $(SHARES),,echo "error: SHARES=N: how many array tasks share the input" >&2; exit 2;) \
+	$(need_sbatch); $(submit_prepare)
+
+# A one-node Slurm cluster on this machine (deploy/slurm/local-cluster.sh: Debian's slurm-wlm
+# and munge, installed with apt when missing; /etc/slurm/slurm.conf for this host), and the
+# tests that submit to it (tests/slurm; not part of `make test`). `make slurm-down` stops it.
+.PHONY: slurm-deps slurm-down slurm-test
+slurm-deps:  ## install (apt), configure and start a one-node Slurm here (munged, slurmctld, slurmd); waits until the node is idle
+	@bash deploy/slurm/local-cluster.sh up
+
+slurm-down:  ## stop the daemons make slurm-deps started
+	@bash deploy/slurm/local-cluster.sh down
+
+slurm-test: setup slurm-deps  ## sbatch the tiny preset on the local Slurm (2 tasks as 2 torchrun nodes, a 2-task preprocessing array, scancel + resume)
+	$(PY) -m pytest tests/slurm $(PYTEST_ARGS)
+
 # The continuous loop: RUN's latest checkpoint, then every file of DATA_DIR not consumed yet
 # (name order; a file appears by rename: *.tmp and dot-files are never read); FOLLOW=1 polls.
 # PRESET's config only for a run with no checkpoint and no --resume in CONTINUOUS_ARGS: a
@@ -184,7 +227,7 @@ bench-scale: setup  ## export/serving vs table size (SCALE_ARGS), preprocessing 
 # process.
 TEST_WORKERS ?= 3
 test: test-deps setup  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
-	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) --ignore=tests/containers $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) --ignore=tests/containers --ignore=tests/slurm $(PYTEST_ARGS)
 
 # The stack in real containers (tests/containers: docker-compose over podman's socket, podman kube
 # play): the images built first (make images keeps podman's layers, so a rebuild is quick).

@@ -92,6 +92,40 @@ def test_parallel_cache_is_byte_identical_to_one_process(
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_shares_then_merge_is_one_process_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job array's way (deploy/slurm/prepare.sbatch): each share parses its parts and stops,
+    then one preprocess only merges (it parses nothing): the bytes of one process's cache. A
+    share never raises the malformed-row policy; the merge does, in the single pass's words."""
+    files = _files(tmp_path)
+    kw: dict[str, Any] = {"progress": False, "max_bad_rows": 10_000, "rows_per_table": TABLES}
+    preprocess(files, tmp_path / "one", processes=1, part_bytes=1 << 30, **kw)
+    counts = [
+        build.preprocess_share(files, tmp_path / "shared", i, 3, part_bytes=SMALL, **kw)
+        for i in range(3)
+    ]
+    total = len(build.plan_parts(files, SMALL))
+    assert sum(n for n, _ in counts) == total and {t for _, t in counts} == {total}
+    assert all(n >= total // 3 for n, _ in counts)  # round-robin: even shares
+
+    def no_parsing(job: Job, part: Part) -> dict[str, Any]:
+        raise AssertionError(f"part {part} parsed again")
+
+    with monkeypatch.context() as m:
+        m.setattr(build, "parse_part", no_parsing)
+        preprocess(files, tmp_path / "shared", processes=1, part_bytes=SMALL, **kw)
+    assert _tree(tmp_path / "one") == _tree(tmp_path / "shared")
+    strict = {**kw, "max_bad_rows": 5}
+    for i in range(2):
+        build.preprocess_share(files, tmp_path / "strict", i, 2, part_bytes=SMALL, **strict)
+    with pytest.raises(DataError) as e:
+        preprocess(files, tmp_path / "strict", processes=1, part_bytes=SMALL, **strict)
+    assert str(e.value).startswith("6 malformed rows, more than max_bad_rows=5")
+    with pytest.raises(ValueError, match="share 3 of 3"):
+        build.preprocess_share(files, tmp_path / "x", 3, 3, **kw)
+
+
 def test_malformed_rows_named_by_file_line_from_any_worker(tmp_path: Path) -> None:
     files = _files(tmp_path)
     meta = preprocess(

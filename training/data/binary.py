@@ -152,6 +152,18 @@ def _reusable(out_dir: Path, inputs: list[dict[str, Any]]) -> BinaryMeta | None:
     return meta if meta.inputs == inputs else None
 
 
+def cache_path(
+    inputs: list[dict[str, Any]], cache_root: Path, rows_per_table: Sequence[int] | None
+) -> Path:
+    """Where :func:`ensure_binary` keeps the cache of ``inputs`` (their :func:`fingerprint`)."""
+    return Path(cache_root) / f"criteo-{cache_key(inputs, rows_per_table)[:16]}"
+
+
+def reusable(out_dir: Path, inputs: list[dict[str, Any]]) -> bool:
+    """Whether ``out_dir`` holds a complete cache of ``inputs`` that this code reads."""
+    return _reusable(out_dir, inputs) is not None
+
+
 def ensure_binary(
     paths: Sequence[Path | str],
     cache_root: Path,
@@ -170,7 +182,7 @@ def ensure_binary(
     """
     files = [p for path in paths for p in resolve_data_paths(path)]
     inputs = fingerprint(files)
-    out_dir = Path(cache_root) / f"criteo-{cache_key(inputs, rows_per_table)[:16]}"
+    out_dir = cache_path(inputs, cache_root, rows_per_table)
     with locked(out_dir):
         meta = _reusable(out_dir, inputs)
         if meta is not None:

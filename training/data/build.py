@@ -7,6 +7,8 @@ resumes with the parts it had finished. The arrays are built in ``.<name>.tmp-<p
 renamed into place; bad input, a vanished or truncated file, or a malformed-row policy breach
 is one :class:`DataError` and leaves neither the cache nor its parts behind. A lock file per
 cache (``.<name>.lock``) makes concurrent builders wait for each other instead of racing.
+:func:`preprocess_share` parses one share of the parts and stops, so that a job array's tasks
+parse on several hosts and the one :func:`preprocess` after them only merges.
 """
 
 from __future__ import annotations
@@ -177,21 +179,14 @@ def _preprocess(
     processes: int,
     part_bytes: int,
 ) -> BinaryMeta:
-    if on_bad not in ("skip", "fail"):
-        raise ValueError(f"on_bad must be 'skip' or 'fail', got {on_bad!r}")
     stats = [_stat(f) for f in files]  # before the content: a write after it moves the mtime
-    inputs = fingerprint(files)
     for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
         log.info("removing stale temporary directory %s", stale)
         shutil.rmtree(stale, ignore_errors=True)
-    probs = _load_sidecars(files)
-    dtypes = array_dtypes(tables, probs is not None)
-    work = out_dir.parent / f".{out_dir.name}.parts"
-    job = Job(
-        tuple(files), work, max(1, chunk_rows), on_bad, max_bad_rows, tables,
-        str(dtypes["sparse"]), probs is not None,
-    )  # fmt: skip
-    parts = plan_parts(files, max(1, part_bytes))
+    job, inputs, parts, dtypes, probs = _plan(
+        files, out_dir, on_bad, max_bad_rows, chunk_rows, tables, part_bytes
+    )
+    work = job.work
     done = _resume(job, inputs, parts, dtypes)
     processes = min(processes or cpu_cores(), max(1, len(parts) - len(done)))
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
@@ -244,6 +239,78 @@ def _preprocess(
         "" if processes == 1 else "es", meta.bytes_per_row(), merger.report.summary(),
     )  # fmt: skip
     return meta
+
+
+def _plan(
+    files: list[Path],
+    out_dir: Path,
+    on_bad: OnBad,
+    max_bad_rows: int,
+    chunk_rows: int,
+    tables: tuple[int, ...] | None,
+    part_bytes: int,
+) -> tuple[Job, list[dict[str, Any]], list[Part], dict[str, np.dtype], list[np.ndarray] | None]:
+    """What building ``out_dir`` from ``files`` takes: the job, the inputs' fingerprint, the
+    parts, the arrays' dtypes and the prob sidecars (None unless every input has one)."""
+    if on_bad not in ("skip", "fail"):
+        raise ValueError(f"on_bad must be 'skip' or 'fail', got {on_bad!r}")
+    inputs = fingerprint(files)
+    probs = _load_sidecars(files)
+    dtypes = array_dtypes(tables, probs is not None)
+    job = Job(
+        tuple(files), out_dir.parent / f".{out_dir.name}.parts", max(1, chunk_rows), on_bad,
+        max_bad_rows, tables, str(dtypes["sparse"]), probs is not None,
+    )  # fmt: skip
+    return job, inputs, plan_parts(files, max(1, part_bytes)), dtypes, probs
+
+
+def preprocess_share(
+    paths: Sequence[Path | str],
+    out_dir: Path,
+    share: int,
+    shares: int,
+    *,
+    on_bad: OnBad = "skip",
+    max_bad_rows: int = 1000,
+    progress: bool = True,
+    chunk_rows: int = 65536,
+    rows_per_table: Sequence[int] | None = None,
+    processes: int = 0,
+    part_bytes: int = PART_BYTES,
+) -> tuple[int, int]:
+    """Parse share ``share`` (0-based) of ``shares`` into ``out_dir``'s parts folder and stop
+    there: part ``k`` of :func:`plan_parts` belongs to share ``k mod shares``. Run every share
+    (processes or hosts sharing the folder, e.g. a job array), then :func:`preprocess` of the
+    same arguments finds every part finished and only merges them: the same bytes as one
+    process's cache. Shares run side by side; :func:`preprocess` must start after the last
+    (a part being parsed is not one it may take). Returns (parts parsed here, parts in all).
+
+    A part that breaks the malformed-row policy is left unfinished with a warning:
+    :func:`preprocess` parses it again and raises the :class:`DataError` that names its rows.
+    """
+    if not 0 <= share < shares:
+        raise ValueError(f"share {share} of {shares}: shares are numbered 0 .. {shares - 1}")
+    files = [p for path in paths for p in resolve_data_paths(path)]
+    out_dir = Path(out_dir)
+    tables = None if rows_per_table is None else tuple(int(r) for r in rows_per_table)
+    with locked(out_dir):  # the manifest: the first share writes it, the others find it
+        job, inputs, parts, dtypes, _ = _plan(
+            files, out_dir, on_bad, max_bad_rows, chunk_rows, tables, part_bytes
+        )
+        done = _resume(job, inputs, parts, dtypes)
+    mine = [p for p in parts if p.index % shares == share and p.index not in done]
+    processes = min(processes or cpu_cores(), max(1, len(mine)))
+    with contextlib.closing(_results(job, mine, {}, processes, progress)) as results:
+        for part, summary in results:
+            if not summary["complete"]:
+                log.warning(
+                    "%s bytes %d-%d: more malformed rows than on_bad=%s, max_bad_rows=%d allow;"
+                    " the step that merges the shares names them", job.files[part.file],
+                    part.start, part.end, on_bad, max_bad_rows,
+                )  # fmt: skip
+    log.info("share %d of %d: %d of %d parts parsed into %s", share, shares, len(mine),
+             len(parts), job.work)  # fmt: skip
+    return len(mine), len(parts)
 
 
 def _resume(

@@ -29,8 +29,9 @@ def synthetic_path(cfg: DataConfig) -> Path:
     return Path(cfg.synthetic_dir) / name
 
 
-def _prepare_on_rank0(cfg: DataConfig, progress: bool, rows_per_table: list[int] | None) -> str:
-    from training.data.binary import ensure_binary
+def input_paths(cfg: DataConfig, progress: bool) -> list[Path]:
+    """The TSV files of ``cfg``: ``data.path``'s, or the synthetic file (generated once, under
+    its lock, when missing)."""
     from training.data.build import locked
     from training.data.criteo import resolve_data_paths
     from training.data.synthetic import SyntheticSpec, generate, prob_sidecar
@@ -52,8 +53,14 @@ def _prepare_on_rank0(cfg: DataConfig, progress: bool, rows_per_table: list[int]
                 )
                 generate(spec, tsv, progress=progress)
         paths = [tsv]
+    return paths
+
+
+def _prepare_on_rank0(cfg: DataConfig, progress: bool, rows_per_table: list[int] | None) -> str:
+    from training.data.binary import ensure_binary
+
     out_dir, _meta = ensure_binary(
-        paths,
+        input_paths(cfg, progress),
         Path(cfg.cache_dir),
         on_bad=cfg.on_bad_row,
         max_bad_rows=cfg.max_bad_rows,
