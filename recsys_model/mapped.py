@@ -10,7 +10,7 @@ A ``mapped`` variant is two files (``docs/contracts.md``):
   ``quantized::embedding_bag_4bit_rowwise_offsets``: 12 bytes a row at ``E = 16``, half of
   int8's), ``fp16`` or ``fp32`` (``W = E``), or ``mixed``: each table in its own one of
   :data:`MIX_FORMATS` (chosen by the export's memory budget), the tables of one format back
-  to back in a section of the file (sections page-aligned, one kernel call per section);
+  to back in a section of the file (64-byte aligned, one kernel call per section);
 * ``mapped_<fmt>.pt``: a small ``torch.save`` of the spec, the table file's name, size and
   checksum, and the dense part (MLPs, row offsets), a few MB at most.
 
@@ -72,7 +72,7 @@ _OPS = {"int8": ("embedding_bag_byte_prepack", "embedding_bag_byte_unpack",
                  "embedding_bag_byte_rowwise_offsets"),
         "int4": ("embedding_bag_4bit_prepack", "embedding_bag_4bit_unpack",
                  "embedding_bag_4bit_rowwise_offsets")}  # fmt: skip
-PAGE = 4096  # a mixed file's sections start on a page: no page holds rows of two sections
+ALIGN = 64  # a mixed file's sections start on a cache line (a page: tiny tables lost to it)
 # checked once per table file: the first worker hashes it, the rest see this (module doc)
 VERIFIED = ".verified-{sha}-{ino}-{size}-{mtime}-{ctime}"
 Identity = tuple[int, int, int, int]  # (inode, size, mtime_ns, ctime_ns) of a table file
@@ -119,7 +119,7 @@ def layout(
 ) -> tuple[list[int], dict[str, tuple[int, int]], int]:
     """Where each table of a file whose tables are in ``formats`` (one a table) lies: each
     table's first row within its format's section, ``{format: (byte offset, rows)}`` of the
-    sections (in :data:`MIX_FORMATS` order, page-aligned) and the file's bytes. One format:
+    sections (in :data:`MIX_FORMATS` order, aligned) and the file's bytes. One format:
     one section at 0, the tables back to back (the uniform files' layout)."""
     local, sections, end = [0] * len(rows), {}, 0
     for fmt in [f for f in (*MIX_FORMATS, "fp32") if f in formats]:
@@ -127,7 +127,7 @@ def layout(
         for t, (r, f) in enumerate(zip(rows, formats, strict=True)):
             if f == fmt:
                 local[t], n = n, n + r
-        start = -(-end // PAGE) * PAGE
+        start = -(-end // ALIGN) * ALIGN
         sections[fmt], end = (start, n), start + n * row_bytes(dim, fmt)
     return local, sections, end
 
