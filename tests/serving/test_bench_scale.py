@@ -17,16 +17,8 @@ import pytest
 
 from serving.bench import memgroup
 from serving.bench.memgroup import MemoryGroup
-from serving.bench.scale import (
-    INT8_ROW,
-    PAGE,
-    SLACK,
-    Load,
-    ScaleConfig,
-    confined_run,
-    sent,
-    working_set,
-)
+from serving.bench.scale import SLACK, ScaleConfig, confined_run
+from serving.bench.scale_load import INT8_ROW, PAGE, Load, sent, working_set
 from serving.bench.scale_report import closing, confined_table
 from serving.torchserve.process import born_in
 
