@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import psutil
@@ -95,7 +95,9 @@ class ScaleConfig:
     fractions: list[float] = field(default_factory=lambda: [0.5])
     """Fractions of the int8 table bytes the confined runs allow (the first is the table's
     'confined' column; more map hot-set size to page faults and throughput)."""
-    variants: list[str] = field(default_factory=lambda: ["int8", "int4", "mixed"])
+    variants: list[Literal["int8", "int4", "mixed"]] = field(
+        default_factory=lambda: ["int8", "int4", "mixed"]
+    )
     """Table formats served, each exported and served (unconfined, then confined to the same
     memory as int8's: ``--fractions`` of the int8 table bytes) in turn: int8 (always, first),
     int4, mixed (per-table fp16/int8/int4 within ``--budget``)."""
