@@ -94,7 +94,8 @@ def variants_table(results: list[dict[str, Any]]) -> str:
                 "-" if v["abs_delta_auc"] is None else f"{v['abs_delta_auc']:.1e}",
                 f"{s['examples_per_s']:,.0f} ({ratio:.0%} of int8)",
                 f"{s['major_faults_per_1k_lookups']:.2f}", _mib(c.get("limit_bytes")),
-                f"{c['examples_per_s']:,.0f}" if full else "not confined" if c else "-",
+                f"{c['examples_per_s']:,.0f}" if full
+                else "not run" if "skipped" in c else "not confined" if c else "-",
                 f"{c['major_faults_per_1k_lookups']:.2f}" if full else "-",
                 f"{s['failed']}/{c.get('failed', '-')}",
             ]))  # fmt: skip
