@@ -282,9 +282,10 @@ class MappedScorer(PortableScorer):
     torch's rowwise kernels straight from the mapping, ``fp16``/``fp32`` with
     ``embedding_bag``; a ``mixed`` file, one kernel call per section (:func:`layout`)."""
 
-    # (format, rows of the section [n, W] over the mapping, its features int64[k], their
-    # first rows in it int64[k]); empty: the tables are ``weight`` (uniform fp16 / fp32)
+    # (format, its rows [n, W] over the mapping, its tables int64[k], their first rows in it);
+    # empty: the tables are ``weight`` (fp16 / fp32). routes: the same per table, int64[F]
     sections: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]
+    routes: tuple[torch.Tensor, torch.Tensor]
     tables_path: Path | None = None  # the mapped table file (None: tables copied to a device)
     tables_fd: int = -1
     tables_seen: tuple[int, int, int, int] = (0, 0, 0, 0)  # size, mtime, ctime, links
@@ -317,16 +318,15 @@ class MappedScorer(PortableScorer):
         batch = lengths.shape[1]
         per_feature = lengths.to(torch.int64).sum(dim=1)
         ids = hash_values(values, lengths, self.rows)
+        which, first = self.routes  # each table's section and first row in it, int64[F]
+        ids = ids + torch.repeat_interleave(first, per_feature)
         if len(self.sections) == 1:  # every table in one format: one call, no gather
-            fmt, grid, _, first = self.sections[0]
-            out = _bag(fmt, grid, ids + torch.repeat_interleave(first, per_feature), lengths)
+            out = _bag(*self.sections[0][:2], ids, lengths)
             return out.reshape(self.num_features, batch, self.dim).transpose(0, 1)
-        split = ids.split(per_feature.tolist())
+        which = torch.repeat_interleave(which, per_feature)  # ids stay feature-major in each
         out = torch.empty(self.num_features, batch, self.dim)
-        for fmt, grid, feats, first in self.sections:
-            sub = torch.cat([split[f] for f in feats.tolist()])
-            sub = sub + torch.repeat_interleave(first, per_feature[feats])
-            out[feats] = _bag(fmt, grid, sub, lengths[feats]).view(len(feats), batch, self.dim)
+        for k, (fmt, grid, feats, _) in enumerate(self.sections):
+            out[feats] = _bag(fmt, grid, ids[which == k], lengths[feats]).view(-1, batch, self.dim)
         return out.transpose(0, 1)
 
 
@@ -368,7 +368,7 @@ def load_mapped(path: Path, device: torch.device, verify: bool = True) -> Mapped
         model = model.to(_DTYPES[fmt])  # the MLPs in the tables' dtype (the tables: no copy)
     else:
         model.weight = torch.nn.Parameter(torch.empty(0, dim), requires_grad=False)
-        model.sections = _sections(flat, [int(r) for r in spec["rows"]], dim, record)
+        model.sections, model.routes = _sections(flat, [int(r) for r in spec["rows"]], dim, record)
     if device.type != "cpu":
         close_fd()  # the tables are copied to the device: nothing to watch
         if model.sections:
@@ -383,8 +383,8 @@ def load_mapped(path: Path, device: torch.device, verify: bool = True) -> Mapped
 
 def _sections(
     flat: torch.Tensor, rows: list[int], dim: int, record: dict[str, Any]
-) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """:attr:`MappedScorer.sections` of a quantized or mixed file mapped as ``flat``."""
+) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]], tuple[Any, Any]]:
+    """:attr:`MappedScorer.sections` and ``routes`` of a quantized or mixed file (``flat``)."""
     formats = record.get("formats") or [record["format"]] * len(rows)
     if len(formats) != len(rows) or not set(formats) <= set(MIX_FORMATS):
         raise ValueError(f"{record['file']}: per-table formats {formats} do not fit {len(rows)}")
@@ -397,4 +397,4 @@ def _sections(
         feats = [t for t, f in enumerate(formats) if f == fmt]
         grid = flat[start : start + n * width].view(n, width)
         out.append((fmt, grid, torch.tensor(feats), torch.tensor([local[t] for t in feats])))
-    return out
+    return out, (torch.tensor([list(sections).index(f) for f in formats]), torch.tensor(local))
