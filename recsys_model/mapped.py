@@ -5,7 +5,12 @@ A ``mapped`` variant is two files (``docs/contracts.md``):
 * ``tables_<fmt>.bin``: every table's rows back to back (``[sum(rows), W]``, raw little-endian,
   no header), in one of :data:`FORMATS`: ``int8`` (fbgemm's byte-rowwise layout: ``E`` int8
   codes then a float32 scale and bias per row, ``W = E + 8`` bytes, read by torch's own
-  ``quantized::embedding_bag_byte_rowwise_offsets``), ``fp16`` or ``fp32`` (``W = E``);
+  ``quantized::embedding_bag_byte_rowwise_offsets``), ``int4`` (fbgemm's 4-bit rowwise
+  layout: two codes a byte then an fp16 scale and bias, ``W = E/2 + 4``, ``E`` even, read by
+  ``quantized::embedding_bag_4bit_rowwise_offsets``: 12 bytes a row at ``E = 16``, half of
+  int8's), ``fp16`` or ``fp32`` (``W = E``), or ``mixed``: each table in its own one of
+  :data:`MIX_FORMATS` (chosen by the export's memory budget), the tables of one format back
+  to back in a section of the file (64-byte aligned, one kernel call per section);
 * ``mapped_<fmt>.pt``: a small ``torch.save`` of the spec, the table file's name, size and
   checksum, and the dense part (MLPs, row offsets), a few MB at most.
 
@@ -39,6 +44,7 @@ Shapes: ``B`` examples, ``F`` tables, ``E`` embedding dim, ``R = sum(rows)``.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import mmap
@@ -58,8 +64,15 @@ except ImportError:
     from recsys_model.features import hash_values
     from recsys_model.portable_model import PortableScorer
 
-FORMATS = ("int8", "fp16", "fp32")
+FORMATS = ("int8", "int4", "fp16", "fp32", "mixed")
+MIXED = "mixed"
+MIX_FORMATS = ("fp16", "int8", "int4")  # what a mixed file's tables may be, most precise first
 _DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+_OPS = {"int8": ("embedding_bag_byte_prepack", "embedding_bag_byte_unpack",
+                 "embedding_bag_byte_rowwise_offsets"),
+        "int4": ("embedding_bag_4bit_prepack", "embedding_bag_4bit_unpack",
+                 "embedding_bag_4bit_rowwise_offsets")}  # fmt: skip
+ALIGN = 64  # a mixed file's sections start on a cache line (a page: tiny tables lost to it)
 # checked once per table file: the first worker hashes it, the rest see this (module doc)
 VERIFIED = ".verified-{sha}-{ino}-{size}-{mtime}-{ctime}"
 Identity = tuple[int, int, int, int]  # (inode, size, mtime_ns, ctime_ns) of a table file
@@ -74,35 +87,87 @@ def row_bytes(dim: int, fmt: str) -> int:
     """Bytes of one table row in ``fmt``."""
     if fmt == "int8":
         return dim + 8  # codes, then float32 scale and bias
+    if fmt == "int4":
+        check_dim(dim, fmt)
+        return dim // 2 + 4  # two codes a byte, then fp16 scale and bias
     return dim * _DTYPES[fmt].itemsize
+
+
+def check_dim(dim: int, fmt: str) -> None:
+    """Raise ValueError when ``fmt`` cannot hold rows of ``dim`` (int4: an even dim)."""
+    if fmt == "int4" and dim % 2:
+        raise ValueError(f"int4 tables need an even embedding dim (this model's: {dim}): use int8")
 
 
 def pack(rows: torch.Tensor, fmt: str) -> torch.Tensor:
     """fp32 rows ``[r, E]`` -> their bytes in ``fmt``, ``uint8[r, row_bytes]``."""
-    if fmt == "int8":
-        return torch.ops.quantized.embedding_bag_byte_prepack(rows.float().contiguous())
+    if fmt in _OPS:
+        check_dim(rows.shape[1], fmt)
+        return getattr(torch.ops.quantized, _OPS[fmt][0])(rows.float().contiguous())
     return rows.to(_DTYPES[fmt]).contiguous().view(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, fmt: str) -> torch.Tensor:
+    """:func:`pack`'s bytes ``uint8[r, row_bytes]`` -> the fp32 rows ``[r, E]`` they score as."""
+    if fmt in _OPS:
+        return getattr(torch.ops.quantized, _OPS[fmt][1])(packed.contiguous())
+    return packed.contiguous().view(_DTYPES[fmt]).float()
+
+
+def layout(
+    rows: list[int], dim: int, formats: list[str]
+) -> tuple[list[int], dict[str, tuple[int, int]], int]:
+    """Where each table of a file whose tables are in ``formats`` (one a table) lies: each
+    table's first row within its format's section, ``{format: (byte offset, rows)}`` of the
+    sections (in :data:`MIX_FORMATS` order, aligned) and the file's bytes. One format:
+    one section at 0, the tables back to back (the uniform files' layout)."""
+    local, sections, end = [0] * len(rows), {}, 0
+    for fmt in [f for f in (*MIX_FORMATS, "fp32") if f in formats]:
+        n = 0
+        for t, (r, f) in enumerate(zip(rows, formats, strict=True)):
+            if f == fmt:
+                local[t], n = n, n + r
+        start = -(-end // ALIGN) * ALIGN
+        sections[fmt], end = (start, n), start + n * row_bytes(dim, fmt)
+    return local, sections, end
 
 
 class TableWriter:
     """Writes ``tables_<fmt>.bin``: fp32 rows in, ``fmt`` bytes out, one chunk in memory at a
     time (a table, or part of one, in any order); :meth:`close` checks every row was written
-    exactly once and returns the record ``mapped_<fmt>.pt`` keeps."""
+    exactly once and returns the record ``mapped_<fmt>.pt`` keeps. ``mixed``: ``tables``
+    gives each table's rows and format (:func:`layout`)."""
 
-    def __init__(self, path: Path, total_rows: int, dim: int, fmt: str) -> None:
+    def __init__(
+        self, path: Path, total_rows: int, dim: int, fmt: str,
+        tables: list[tuple[int, str]] | None = None,
+    ) -> None:  # fmt: skip
         self.path, self.rows, self.dim, self.fmt = path, total_rows, dim, fmt
-        self.width = row_bytes(dim, fmt)
+        given, tables = tables is not None, tables or [(total_rows, fmt)]
+        if sum(r for r, _ in tables) != total_rows or (fmt == MIXED) != given:
+            raise ValueError(f"{path.name}: tables {tables} do not make {total_rows} {fmt} rows")
+        self.formats = [f for _, f in tables]
+        local, self.sections, self.bytes = layout([r for r, _ in tables], dim, self.formats)
+        self.starts = [sum(r for r, _ in tables[:t]) for t in range(len(tables) + 1)]
+        self.at = [self.sections[f][0] + n * row_bytes(dim, f)
+                   for n, f in zip(local, self.formats, strict=True)]  # fmt: skip
         self.written = 0
         self.file = path.open("wb")
-        self.file.truncate(total_rows * self.width)
+        self.file.truncate(self.bytes)
 
     def write(self, start: int, rows: torch.Tensor) -> None:
         """fp32 ``rows [r, E]`` at table row ``start`` of the concatenated tables."""
         if rows.shape[1] != self.dim or start < 0 or start + rows.shape[0] > self.rows:
             raise ValueError(f"{self.path.name}: rows {start}+{rows.shape[0]} do not fit")
-        self.file.seek(start * self.width)
-        self.file.write(pack(rows, self.fmt).numpy().data)  # the bytes, no extra copy
-        self.written += rows.shape[0]
+        t, end = bisect.bisect_right(self.starts, start) - 1, start + rows.shape[0]
+        while start < end:  # a chunk may cross tables (and so formats)
+            stop = min(end, self.starts[t + 1])
+            fmt = self.formats[t]
+            self.file.seek(self.at[t] + (start - self.starts[t]) * row_bytes(self.dim, fmt))
+            part = rows[start - end + rows.shape[0] : stop - end + rows.shape[0]]
+            self.file.write(pack(part, fmt).numpy().data)  # the bytes, no extra copy
+            self.written += stop - start
+            start, t = stop, t + 1
 
     def close(self) -> dict[str, Any]:
         self.file.close()
@@ -110,15 +175,17 @@ class TableWriter:
             raise ValueError(f"{self.path.name}: {self.written} rows written for {self.rows}")
         digest = sha256(self.path)
         drop_cached(self.path)
-        return {"file": self.path.name, "format": self.fmt, "rows": self.rows, "dim": self.dim,
-                "bytes": self.rows * self.width, "sha256": digest}  # fmt: skip
+        record = {"file": self.path.name, "format": self.fmt, "rows": self.rows,
+                  "dim": self.dim, "bytes": self.bytes, "sha256": digest}  # fmt: skip
+        return record | ({"formats": self.formats} if self.fmt == MIXED else {})
 
 
 def write_tables(
-    path: Path, total_rows: int, dim: int, fmt: str, chunks: Iterable[tuple[int, torch.Tensor]]
-) -> dict[str, Any]:
+    path: Path, total_rows: int, dim: int, fmt: str, chunks: Iterable[tuple[int, torch.Tensor]],
+    tables: list[tuple[int, str]] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """:class:`TableWriter` over ``chunks`` of ``(first row, fp32 rows [r, E])``."""
-    writer = TableWriter(path, total_rows, dim, fmt)
+    writer = TableWriter(path, total_rows, dim, fmt, tables)
     for start, rows in chunks:
         writer.write(start, rows)
     return writer.close()
@@ -211,10 +278,14 @@ def check_tables(path: Path, record: dict[str, Any]) -> Identity:
 
 
 class MappedScorer(PortableScorer):
-    """:class:`PortableScorer` whose tables are a mapped file: ``int8`` pools with torch's
-    byte-rowwise kernel straight from the mapping, ``fp16``/``fp32`` with ``embedding_bag``."""
+    """:class:`PortableScorer` whose tables are a mapped file: ``int8``/``int4`` pool with
+    torch's rowwise kernels straight from the mapping, ``fp16``/``fp32`` with
+    ``embedding_bag``; a ``mixed`` file, one kernel call per section (:func:`layout`)."""
 
-    packed: torch.Tensor
+    # (format, its rows [n, W] over the mapping, its tables int64[k], their first rows in it);
+    # empty: the tables are ``weight`` (fp16 / fp32). routes: the same per table, int64[F]
+    sections: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]
+    routes: tuple[torch.Tensor, torch.Tensor]
     tables_path: Path | None = None  # the mapped table file (None: tables copied to a device)
     tables_fd: int = -1
     tables_seen: tuple[int, int, int, int] = (0, 0, 0, 0)  # size, mtime, ctime, links
@@ -242,17 +313,32 @@ class MappedScorer(PortableScorer):
 
     def pooled(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         self.check_tables()
-        if self.packed.numel() == 0:
+        if not self.sections:
             return super().pooled(values, lengths)
         batch = lengths.shape[1]
-        lens = lengths.reshape(-1).to(torch.int64)
         per_feature = lengths.to(torch.int64).sum(dim=1)
         ids = hash_values(values, lengths, self.rows)
-        ids = ids + torch.repeat_interleave(self.row_offsets, per_feature)
-        out = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
-            self.packed, ids, torch.cumsum(lens, 0) - lens, False, 0, False, None, None, False
-        )
-        return out.reshape(self.num_features, batch, self.dim).transpose(0, 1)
+        which, first = self.routes  # each table's section and first row in it, int64[F]
+        ids = ids + torch.repeat_interleave(first, per_feature)
+        if len(self.sections) == 1:  # every table in one format: one call, no gather
+            out = _bag(*self.sections[0][:2], ids, lengths)
+            return out.reshape(self.num_features, batch, self.dim).transpose(0, 1)
+        which = torch.repeat_interleave(which, per_feature)  # ids stay feature-major in each
+        out = torch.empty(self.num_features, batch, self.dim)
+        for k, (fmt, grid, feats, _) in enumerate(self.sections):
+            out[feats] = _bag(fmt, grid, ids[which == k], lengths[feats]).view(-1, batch, self.dim)
+        return out.transpose(0, 1)
+
+
+def _bag(fmt: str, grid: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Sum-pooled fp32 rows ``[k*B, E]`` of ``grid``'s rows ``ids`` in bags of ``lengths``."""
+    lens = lengths.reshape(-1).to(torch.int64)
+    offsets = torch.cumsum(lens, 0) - lens
+    if fmt in _OPS:
+        kernel = getattr(torch.ops.quantized, _OPS[fmt][2])
+        return kernel(grid, ids, offsets, False, 0, False, None, None, False)  # type: ignore[no-any-return]
+    weight = grid.view(_DTYPES[fmt])
+    return torch.nn.functional.embedding_bag(ids, weight, offsets, mode="sum").float()
 
 
 def load_mapped(path: Path, device: torch.device, verify: bool = True) -> MappedScorer:
@@ -275,21 +361,40 @@ def load_mapped(path: Path, device: torch.device, verify: bool = True) -> Mapped
     if os.environ.get("RECSYS_PRELOAD_TABLES", "0") == "1" and flat.numel():
         int(flat[:: mmap.PAGESIZE].sum())  # one byte a page: every page mapped in
     model.load_state_dict(state["weights"], strict=False, assign=True)
-    grid = flat.view(rows, row_bytes(dim, fmt))
-    if fmt == "int8":
-        model.weight = torch.nn.Parameter(torch.empty(0, dim), requires_grad=False)
-        model.packed = grid
-    else:
+    model.sections = []
+    if fmt in _DTYPES:
+        grid = flat.view(rows, row_bytes(dim, fmt))
         model.weight = torch.nn.Parameter(grid.view(_DTYPES[fmt]), requires_grad=False)
-        model.packed = torch.empty(0, dtype=torch.uint8)
         model = model.to(_DTYPES[fmt])  # the MLPs in the tables' dtype (the tables: no copy)
+    else:
+        model.weight = torch.nn.Parameter(torch.empty(0, dim), requires_grad=False)
+        model.sections, model.routes = _sections(flat, [int(r) for r in spec["rows"]], dim, record)
     if device.type != "cpu":
         close_fd()  # the tables are copied to the device: nothing to watch
-        if fmt == "int8":
-            raise ValueError(f"{path.name}: int8 tables are served on CPU (use fp16 on {device})")
+        if model.sections:
+            raise ValueError(f"{path.name}: {fmt} tables are served on CPU (use fp16 on {device})")
         model = model.to(device)
         return model.eval()
     st = os.fstat(fd)
     model.tables_path, model.tables_fd = tables, fd
     model.tables_seen = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink)
     return model.eval()
+
+
+def _sections(
+    flat: torch.Tensor, rows: list[int], dim: int, record: dict[str, Any]
+) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]], tuple[Any, Any]]:
+    """:attr:`MappedScorer.sections` and ``routes`` of a quantized or mixed file (``flat``)."""
+    formats = record.get("formats") or [record["format"]] * len(rows)
+    if len(formats) != len(rows) or not set(formats) <= set(MIX_FORMATS):
+        raise ValueError(f"{record['file']}: per-table formats {formats} do not fit {len(rows)}")
+    local, sections, size = layout(rows, dim, formats)
+    if size != record["bytes"]:
+        raise ValueError(f"{record['file']}: its layout makes {size} bytes, not {record['bytes']}")
+    out = []
+    for fmt, (start, n) in sections.items():
+        width = row_bytes(dim, fmt)
+        feats = [t for t, f in enumerate(formats) if f == fmt]
+        grid = flat[start : start + n * width].view(n, width)
+        out.append((fmt, grid, torch.tensor(feats), torch.tensor([local[t] for t in feats])))
+    return out, (torch.tensor([list(sections).index(f) for f in formats]), torch.tensor(local))

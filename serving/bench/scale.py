@@ -31,9 +31,7 @@ Serving never imports training: the model is trained and exported in subprocesse
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -42,9 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
-import grpc
 import numpy as np
 import psutil
 
@@ -52,15 +49,14 @@ from recsys_model.mapped import drop_cached
 from recsys_stack import logs
 from recsys_stack.config import ConfigError, parse
 from serving.bench import memgroup
-from serving.bench.measure import MIN_PER_CLIENT, run_cell
+from serving.bench.measure import run_cell
 from serving.bench.memgroup import MemoryGroup
-from serving.bench.methods import Connect
 from serving.bench.model import KAGGLE_ROWS, ROOT
-from serving.bench.scale_report import closing, confined_table, plot, table
+from serving.bench.scale_load import Load, make_load, zipf_load
+from serving.bench.scale_report import closing, confined_table, plot, table, variants_table
 from serving.bench.servers import start_gateway, wait_all_workers
 from serving.gateway.config import GatewayConfig
-from serving.stubs import ranker_pb2_grpc
-from serving.tools.client import build_request, gateway_status
+from serving.tools.client import gateway_status
 from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig, on_free_ports
 
@@ -73,8 +69,6 @@ HELP = (
 )
 KAGGLE_TOTAL = sum(KAGGLE_ROWS)
 SLACK = 64 * 2**20  # a worker's room to allocate under load, in the confined group's limit
-INT8_ROW = 16 + 8  # bytes of an int8 row at dim 16: the codes, then float32 scale and bias
-PAGE = 4096
 
 
 @dataclass
@@ -101,6 +95,15 @@ class ScaleConfig:
     fractions: list[float] = field(default_factory=lambda: [0.5])
     """Fractions of the int8 table bytes the confined runs allow (the first is the table's
     'confined' column; more map hot-set size to page faults and throughput)."""
+    variants: list[Literal["int8", "int4", "mixed"]] = field(
+        default_factory=lambda: ["int8", "int4", "mixed"]
+    )
+    """Table formats served, each exported and served (unconfined, then confined to the same
+    memory as int8's: ``--fractions`` of the int8 table bytes) in turn: int8 (always, first),
+    int4, mixed (per-table fp16/int8/int4 within ``--budget``)."""
+    budget: float = 0.75
+    """The mixed variant's memory budget, as a fraction of the int8 tables' bytes (int4's are
+    0.5 of them at dim 16)."""
     work: Path = Path("/tmp/bench-scale")
     """Scratch folder (checkpoints, exports, model stores: several GB at the Kaggle size)."""
     out: Path = Path("reports/bench-scale")
@@ -135,7 +138,7 @@ def _run(args: list[str], log: Path) -> tuple[float, int]:
 
 
 def build(rows: list[int], work: Path) -> dict[str, Any]:
-    """Train 2 steps and export; the export's figures."""
+    """Train 2 steps and export (int8 served); the export's figures."""
     run, store = work / "run", work / "store"
     data = [
         f'data.cache_dir="{work.parent / "cache"}"',
@@ -152,7 +155,7 @@ def build(rows: list[int], work: Path) -> dict[str, Any]:
     disk = sum(p.stat().st_size for p in export.iterdir()) + (store / "scale-1.mar").stat().st_size
     schema = json.loads((export / "schema.json").read_text())
     return {
-        "export_s": seconds, "export_peak_rss": peak, "disk_bytes": disk,
+        "export_s": seconds, "export_peak_rss": peak, "disk_bytes": disk, "run": str(run),
         "export_timings": json.loads((export / "timings.json").read_text()),
         "fp32_table_bytes": sum(rows) * 16 * 4,
         "int8_table_bytes": schema["variants"]["int8"]["tables"]["bytes"],
@@ -160,69 +163,27 @@ def build(rows: list[int], work: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-@dataclass
-class Load:
-    """The requests of one size's load runs and the int8 table bytes they touch."""
-
-    requests: list[Any]
-    working_set: int
-    """Bytes of the int8 table pages the requests sent read (:func:`working_set`)."""
-
-
-def zipf_ids(rows: list[int], cfg: ScaleConfig) -> np.ndarray:
-    """``int64[distinct, examples, 26]`` ids following Zipf(``cfg.zipf``), scattered over each
-    table by a multiplicative hash (the hot ids are not the first rows)."""
-    rng = np.random.default_rng(0)
-    ranks = rng.zipf(cfg.zipf, (cfg.distinct, cfg.examples, len(rows))) - 1
-    return ranks * 2654435761 % np.asarray(rows, dtype=np.int64)  # wraps: still deterministic
-
-
-def sent(distinct: int, requests: int, concurrency: int) -> np.ndarray:
-    """Indices of the requests a load run sends: caller ``i`` starts at ``i * distinct /
-    concurrency`` (:func:`zipf_load`) and makes one warm-up call and ``run_cell``'s share."""
-    per = max(MIN_PER_CLIENT, math.ceil(requests / concurrency)) + 1
-    starts = np.arange(concurrency) * distinct // concurrency
-    return np.unique((starts[:, None] + np.arange(per)[None, :]) % distinct)
-
-
-def working_set(ids: np.ndarray, rows: list[int]) -> int:
-    """Bytes of the distinct pages of the int8 tables file that ``ids [N, examples, 26]`` read
-    (a row may straddle two pages: both count)."""
-    offsets = np.cumsum([0, *rows[:-1]], dtype=np.int64)
-    first = (ids + offsets) * INT8_ROW
-    pages = np.unique(
-        np.concatenate([(first // PAGE).ravel(), ((first + INT8_ROW - 1) // PAGE).ravel()])
-    )
-    return int(pages.size) * PAGE
-
-
-def make_load(rows: list[int], cfg: ScaleConfig) -> Load:
-    """The ``cfg.distinct`` requests and the working set of those a run sends."""
-    ids = zipf_ids(rows, cfg)
-    rng = np.random.default_rng(1)
-    requests = [build_request(rng.integers(0, 100, (cfg.examples, 13)).astype(np.float32), x)
-                for x in ids]  # fmt: skip
-    used = sent(cfg.distinct, cfg.requests, cfg.concurrency)
-    return Load(requests, working_set(ids[used], rows))
-
-
-def zipf_load(target: str, requests: list[Any], concurrency: int) -> Connect:
-    """The gateway method of serving.bench, cycling through ``requests``: the ``i``-th caller
-    from ``i / concurrency`` of the way through them (:func:`sent`)."""
-    callers = itertools.count()
-
-    def connect(_: Any) -> tuple[Any, Any]:
-        channel = grpc.insecure_channel(target)
-        stub = ranker_pb2_grpc.RankerStub(channel).Score
-        start = next(callers) * len(requests) // concurrency
-        calls = itertools.cycle(requests[start:] + requests[:start])
-
-        def call() -> int:
-            return len(stub(next(calls), timeout=60).scores)
-
-        return call, channel.close
-
-    return connect
+def export_variant(
+    built: dict[str, Any], variant: str, budget: float, work: Path
+) -> dict[str, Any]:
+    """Export ``built``'s run again serving ``variant`` (int4, or mixed within ``budget`` of the
+    int8 table bytes) into its own model store: its table bytes, |ΔAUC| and export seconds."""
+    store = work / f"store-{variant}"
+    extra = ["--cpu-variant", "int4"] if variant == "int4" else [
+        "--memory-budget", str(int(built["int8_table_bytes"] * budget))]  # fmt: skip
+    seconds, _ = _run(["training.export", "--run-dir", built["run"], "--no-progress",
+                       "--model-store", str(store), "--name", "scale", "--version", "1",
+                       "--parity-rows", "4000", "--overwrite", "--formats", '["int8", "int4"]',
+                       *extra], work / f"export-{variant}.log")  # fmt: skip
+    export = Path(built["run"]) / "export"
+    schema = json.loads((export / "schema.json").read_text())
+    auc = json.loads((export / "parity.json").read_text())["auc"]
+    reference = "eager" if "eager" in auc else "fp32"
+    return {"variant": variant, "store": str(store), "export_s": seconds,
+            "table_bytes": schema["variants"][variant]["tables"]["bytes"],
+            "abs_delta_auc": abs(auc[variant] - auc[reference]), "reference": reference,
+            "int8_abs_delta_auc": abs(auc["int8"] - auc[reference]),
+            "formats": schema.get("memory_budget", {}).get("tables")}  # fmt: skip
 
 
 def pss(pids: Sequence[int], name: str = "") -> int:
@@ -249,18 +210,18 @@ def _major_faults(pids: Sequence[int]) -> int:
     return sum(int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[9]) for p in pids)
 
 
-def _tables_file(pid: int) -> Path:
-    """The int8 tables file ``pid`` maps (TorchServe's unpacked copy of the .mar's)."""
+def _tables_file(pid: int, name: str) -> Path:
+    """The tables file ``name`` that ``pid`` maps (TorchServe's unpacked copy of the .mar's)."""
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        if line.endswith("/tables_int8.bin"):
+        if line.endswith("/" + name):
             return Path(line.split(maxsplit=5)[5])
-    raise RuntimeError(f"worker {pid} maps no tables_int8.bin")
+    raise RuntimeError(f"worker {pid} maps no {name}")
 
 
-def model_files(worker: int, mar: Path) -> list[Path]:
-    """The files of the model TorchServe unpacked for ``worker`` (its tables among them) and
-    the ``.mar``: what start-up read into the page cache."""
-    tables = _tables_file(worker)
+def model_files(worker: int, mar: Path, name: str = "tables_int8.bin") -> list[Path]:
+    """The files of the model TorchServe unpacked for ``worker`` (its tables ``name`` among
+    them) and the ``.mar``: what start-up read into the page cache."""
+    tables = _tables_file(worker, name)
     return [mar, *(p for p in tables.parent.rglob("*") if p.is_file())]
 
 
@@ -275,11 +236,12 @@ def replica_group(label: str, stack: contextlib.ExitStack) -> MemoryGroup | None
 
 def serve(
     built: dict[str, Any], rows: list[int], cfg: ScaleConfig, work: Path, load: Load,
-    fraction: float = 0.0,
+    fraction: float = 0.0, variant: str = "int8",
 ) -> dict[str, Any]:  # fmt: skip
     """The replica behind the gateway, born in a memory group: start-up seconds, memory, and
     the Zipf load's figures; ``fraction`` > 0: the group limited to its own memory, 64 MiB a
-    worker and that fraction of the int8 tables."""
+    worker and that fraction of the int8 tables (whatever ``variant`` it serves)."""
+    tables = f"tables_{variant}.bin"
     ts = on_free_ports(TorchServeConfig(
         model_store=Path(built["store"]), workdir=work, model_name="scale", model_version="1",
         mar_file="scale-1.mar", workers=cfg.workers, response_timeout_s=120,
@@ -300,7 +262,7 @@ def serve(
         out["serving_s"] = time.perf_counter() - t0
         workers = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
                    if "model_service_worker" in " ".join(p.cmdline())]  # fmt: skip
-        for path in model_files(workers[0], Path(built["store"]) / "scale-1.mar"):
+        for path in model_files(workers[0], Path(built["store"]) / "scale-1.mar", tables):
             drop_cached(path)  # both runs start cold; the group holds the processes' own memory
         if group is not None:
             out["own_bytes"] = group.stat()["rss"]  # anonymous: the JVM's and the workers'
@@ -319,7 +281,7 @@ def serve(
         lookups = len(lat) * cfg.examples * len(rows)
         out.update(
             worker_pss=[pss([w]) for w in workers], total_pss=pss(group_pids),
-            tables_pss=pss(workers, "tables_int8.bin"),
+            tables_pss=pss(workers, tables),
             major_faults_per_1k_lookups=1e3 * (_major_faults(workers) - faults) / max(lookups, 1),
             examples_per_s=len(lat) * cfg.examples / wall,
             p99_ms=float(np.percentile(lat, 99)) if lat else None,
@@ -346,7 +308,24 @@ def one_size(total: int, cfg: ScaleConfig) -> dict[str, Any]:
     elif cfg.confine:
         result["sweep"] = [confined_run(result, rows, cfg, work, load, f) for f in cfg.fractions]
         result["confined"] = result["sweep"][0]
+    result["variants"] = [other_variant(result, rows, cfg, work, load, v)
+                          for v in cfg.variants if v != "int8"]  # fmt: skip
     return result
+
+
+def other_variant(
+    built: dict[str, Any], rows: list[int], cfg: ScaleConfig, work: Path, load: Load, v: str
+) -> dict[str, Any]:
+    """``v`` exported and served like int8: unconfined, then confined to the int8 run's
+    first fraction (the same limit: what it gains from smaller rows)."""
+    out = export_variant(built, v, cfg.budget, work)
+    served = {**built, "store": out["store"]}
+    out["serve"] = serve(served, rows, cfg, work / f"ts-{v}", load, variant=v)
+    c = built.get("confined", {})
+    if cfg.confine and c and "skipped" not in c:
+        out["confined"] = serve(served, rows, cfg, work / f"ts-{v}-{c['fraction']:g}", load,
+                                c["fraction"], v)  # fmt: skip
+    return out
 
 
 def confined_run(
@@ -385,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(table(results[-1:]).splitlines()[-1], flush=True)
     print(table(results))
     print(confined_table(results))
+    print(variants_table(results))
     print("\n".join(closing(r) for r in results))
     plot(results, cfg.out / "scale.png")
     print(f"wrote {cfg.out / 'scale.json'} and {cfg.out / 'scale.png'}")

@@ -73,6 +73,35 @@ def confined_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def variants_table(results: list[dict[str, Any]]) -> str:
+    """int8 and each other variant (``--variants``) side by side: table bytes, |ΔAUC| vs the
+    parity reference, examples/s and faults unconfined, and confined to the same limit (only
+    where that group filled)."""
+    head = ("rows", "variant", "tables MiB", "|ΔAUC|", "ex/s unconfined", "faults/1k",
+            "confined limit MiB", "confined ex/s", "confined faults/1k", "failed")  # fmt: skip
+    lines = [" | ".join(head)]
+    for r in results:
+        first = {"variant": "int8", "table_bytes": r["int8_table_bytes"], "serve": r["serve"],
+                 "confined": r.get("confined", {}),
+                 "abs_delta_auc": next((v["int8_abs_delta_auc"] for v in r.get("variants", [])),
+                                       None)}  # fmt: skip
+        for v in [first, *r.get("variants", [])]:
+            s, c = v["serve"], v.get("confined") or {}
+            full = c.get("filled", False)
+            ratio = s["examples_per_s"] / r["serve"]["examples_per_s"]
+            lines.append(" | ".join([
+                f"{r['rows'] / 1e6:.1f}M", v["variant"], _mib(v["table_bytes"]),
+                "-" if v["abs_delta_auc"] is None else f"{v['abs_delta_auc']:.1e}",
+                f"{s['examples_per_s']:,.0f} ({ratio:.0%} of int8)",
+                f"{s['major_faults_per_1k_lookups']:.2f}", _mib(c.get("limit_bytes")),
+                f"{c['examples_per_s']:,.0f}" if full
+                else "not run" if "skipped" in c else "not confined" if c else "-",
+                f"{c['major_faults_per_1k_lookups']:.2f}" if full else "-",
+                f"{s['failed']}/{c.get('failed', '-')}",
+            ]))  # fmt: skip
+    return "\n".join(lines)
+
+
 def closing(r: dict[str, Any]) -> str:
     """The size's confined against unconfined, in a sentence, as measured."""
     s, c = r["serve"], r.get("confined", {})

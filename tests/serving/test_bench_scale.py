@@ -17,16 +17,8 @@ import pytest
 
 from serving.bench import memgroup
 from serving.bench.memgroup import MemoryGroup
-from serving.bench.scale import (
-    INT8_ROW,
-    PAGE,
-    SLACK,
-    Load,
-    ScaleConfig,
-    confined_run,
-    sent,
-    working_set,
-)
+from serving.bench.scale import SLACK, ScaleConfig, confined_run
+from serving.bench.scale_load import INT8_ROW, PAGE, Load, sent, working_set
 from serving.bench.scale_report import closing, confined_table
 from serving.torchserve.process import born_in
 
@@ -113,3 +105,46 @@ def test_a_confined_row_whose_group_never_filled_prints_no_confined_figures() ->
     print(text)
     assert "20,000 / 14,000 (70%)" in text and "0.50 / 25.00" in text
     assert "limit 900 MiB, peak 900 MiB, hit 1,234 times" in closing(full)
+
+
+def test_the_variant_rows_sit_beside_int8_and_show_confined_figures_only_when_filled() -> None:
+    from serving.bench.scale_report import variants_table
+
+    r = _result(peak_bytes=900 * MIB, failcnt=1234, filled=True, examples_per_s=14_000.0,
+                major_faults_per_1k_lookups=25.0, p99_ms=180.0, failed=0)  # fmt: skip
+    r["serve"]["failed"] = 0
+    int4_serve = {"examples_per_s": 19_000.0, "major_faults_per_1k_lookups": 0.3, "failed": 0}
+    int4_conf = {"filled": True, "examples_per_s": 18_000.0, "major_faults_per_1k_lookups": 2.0,
+                 "limit_bytes": 900 * MIB, "failed": 0}  # fmt: skip
+    r["variants"] = [
+        {"variant": "int4", "table_bytes": 386 * MIB, "abs_delta_auc": 4e-4,
+         "int8_abs_delta_auc": 2e-5, "serve": int4_serve, "confined": int4_conf},
+        {"variant": "mixed", "table_bytes": 580 * MIB, "abs_delta_auc": 1e-4,
+         "int8_abs_delta_auc": 2e-5, "serve": int4_serve,
+         "confined": {**int4_conf, "filled": False}},
+    ]  # fmt: skip
+    text = variants_table([r])
+    print(text)
+    int8, int4, mixed = text.splitlines()[1:]
+    assert "int8 | 773 | 2.0e-05 | 20,000 (100% of int8)" in int8 and "14,000 | 25.00" in int8
+    assert "int4 | 386 | 4.0e-04 | 19,000 (95% of int8)" in int4 and "18,000 | 2.00" in int4
+    assert "not confined" in mixed and "18,000" not in mixed
+
+
+def test_a_variant_is_exported_serving_it_with_its_bytes_and_auc(
+    trained: Path, tmp_path: Path
+) -> None:
+    """The bench's own export of the int4 and mixed variants, on the tiny trained run."""
+    import shutil
+
+    from serving.bench.scale import export_variant
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run, ignore=shutil.ignore_patterns("export"))
+    built = {"run": str(run), "int8_table_bytes": 26 * 128 * (8 + 8)}  # tiny: dim 8
+    int4 = export_variant(built, "int4", 0.75, tmp_path)
+    assert int4["table_bytes"] == built["int8_table_bytes"] // 2 and int4["formats"] is None
+    assert int4["abs_delta_auc"] <= 1e-3 and (Path(int4["store"]) / "scale-1.mar").is_file()
+    mixed = export_variant(built, "mixed", 0.75, tmp_path)
+    assert int4["table_bytes"] < mixed["table_bytes"] <= 0.75 * built["int8_table_bytes"]
+    assert len(mixed["formats"]) == 26 and mixed["abs_delta_auc"] <= 1e-3

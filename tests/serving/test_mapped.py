@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recsys_model.mapped import drop_cached, load_mapped, save_dense, write_tables
+from recsys_model.mapped import drop_cached, load_mapped, pack, save_dense, unpack, write_tables
 from recsys_model.portable_model import PortableScorer
 from tests.conftest import ROOT, _env
 
@@ -55,7 +55,9 @@ def batch(b: int = 64, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch
     return torch.rand(b, 13, generator=g) * 10, values, lengths
 
 
-@pytest.mark.parametrize(("fmt", "atol"), [("fp32", 0.0), ("fp16", 5e-4), ("int8", 5e-3)])
+@pytest.mark.parametrize(
+    ("fmt", "atol"), [("fp32", 0.0), ("fp16", 5e-4), ("int8", 5e-3), ("int4", 2e-2)]
+)
 def test_mapped_scores_like_the_portable_scorer(tmp_path: Path, fmt: str, atol: float) -> None:
     m = scorer([1000, 50, 20_000] + [100] * (F - 3))
     x = batch()
@@ -64,11 +66,43 @@ def test_mapped_scores_like_the_portable_scorer(tmp_path: Path, fmt: str, atol: 
     torch.testing.assert_close(got, m(*x), atol=atol, rtol=0)
 
 
-def test_the_tables_are_not_copied(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("fmt", "width"), [("int8", 16 + 8), ("int4", 16 // 2 + 4)])
+def test_the_tables_are_not_copied(tmp_path: Path, fmt: str, width: int) -> None:
     m = scorer([5000] * F)
-    loaded = load_mapped(save(m, tmp_path, "int8"), torch.device("cpu"))
+    path = save(m, tmp_path, fmt)
+    loaded = load_mapped(path, torch.device("cpu"))
     assert loaded.weight.numel() == 0  # the MLPs are the only weights in memory
-    assert loaded.packed.shape == (5000 * F, 16 + 8)
+    ((got, grid, _, _),) = loaded.sections
+    assert (got, grid.shape) == (fmt, (5000 * F, width))
+    assert (tmp_path / f"tables_{fmt}.bin").stat().st_size == 5000 * F * width
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines()
+              if line.endswith(f"tables_{fmt}.bin")]  # fmt: skip
+    assert mapped, "the kernel reads the file's mapping, not a copy of it"
+
+
+def test_a_mixed_file_scores_each_table_in_its_own_format(tmp_path: Path) -> None:
+    m = scorer([1000, 50, 20_000] + [100] * (F - 3))
+    rows = [int(r) for r in m.spec["rows"]]
+    formats = (["int4", "int8", "fp16"] * F)[:F]
+    rec = write_tables(
+        tmp_path / "tables_mixed.bin", sum(rows), m.dim, "mixed",
+        ((s, m.weight[s : s + 777].detach()) for s in range(0, sum(rows), 777)),  # across tables
+        list(zip(rows, formats, strict=True)),
+    )  # fmt: skip
+    save_dense(tmp_path / "mapped_mixed.pt", m, rec)
+    x = batch()
+    expect = m(*x)
+    for t, fmt in enumerate(formats):  # the same tables, each lowered alone by its own format
+        lo = sum(rows[:t])
+        m.weight.data[lo : lo + rows[t]] = unpack(pack(m.weight[lo : lo + rows[t]], fmt), fmt)
+    loaded = load_mapped(tmp_path / "mapped_mixed.pt", torch.device("cpu"))
+    assert [s[0] for s in loaded.sections] == ["fp16", "int8", "int4"]
+    torch.testing.assert_close(loaded(*x), m(*x), atol=1e-5, rtol=0)
+    assert (loaded(*x) - expect).abs().max() > 0  # the int4 tables do change scores
+    with pytest.raises(ValueError, match=r"tables_mixed\.bin: tables .* do not make"):
+        write_tables(tmp_path / "tables_mixed.bin", sum(rows), m.dim, "mixed", [])
+    with pytest.raises(ValueError, match="int4 tables need an even embedding dim"):
+        pack(torch.zeros(2, 15), "int4")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupt", "missing", "not_a_model"])

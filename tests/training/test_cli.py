@@ -121,10 +121,10 @@ def test_export_help_documents_every_field_and_keeps_the_flag_spellings() -> Non
     for flag in (
         "--run-dir", "--checkpoint", "--formats", "--cpu-variant", "--name", "--version",
         "--model-store", "--handler", "--parity-rows", "--eval-data", "--force", "--overwrite",
-        "--no-progress", "--no-archive", "--config", "--latency",
+        "--no-progress", "--no-archive", "--config", "--latency", "--memory-budget",
     ):  # fmt: skip
         assert flag in text, flag
-    assert "{int8,fp16,fp32,torchscript,portable,pt2,onnx,aoti}" in text
+    assert "{int8,int4,fp16,fp32,torchscript,portable,pt2,onnx,aoti}" in text
 
 
 def test_export_config_file_flags_and_overrides(tmp_path: Path) -> None:
@@ -147,8 +147,10 @@ def test_export_config_file_flags_and_overrides(tmp_path: Path) -> None:
 def test_export_misspelled_key_and_bad_choice_are_one_line(capsys: typing.Any) -> None:
     line = _in_process(export_main, ["--run-dir", "runs/x", 'fromats=["int8"]'], capsys)
     assert "unknown key 'fromats'" in line and "did you mean 'formats'" in line
-    line = _in_process(export_main, ["--run-dir", "runs/x", "--formats", '["int4"]'], capsys)
-    assert "formats[0] = 'int4': must be one of 'int8', 'fp16', 'fp32', 'torchscript'" in line
+    line = _in_process(export_main, ["--run-dir", "runs/x", "--formats", '["int2"]'], capsys)
+    assert (
+        "formats[0] = 'int2': must be one of 'int8', 'int4', 'fp16', 'fp32', 'torchscript'" in line
+    )
     # the CPU variant must be one the formats write
     line = _in_process(export_main, ["--run-dir", "runs/x", "--cpu-variant", "ts_int8"], capsys)
     assert "cpu_variant = ts_int8: the formats written give" in line and "int8" in line

@@ -10,11 +10,11 @@ from typing import Literal
 
 from training.errors import ConfigError
 
-Format = Literal["int8", "fp16", "fp32", "torchscript", "portable", "pt2", "onnx", "aoti"]
+Format = Literal["int8", "int4", "fp16", "fp32", "torchscript", "portable", "pt2", "onnx", "aoti"]
 DEFAULT_FORMATS: tuple[Format, ...] = ("int8", "fp16", "fp32")
 # the variants (schema.json's ``variants`` keys) each format writes
 FORMAT_VARIANTS: dict[str, tuple[str, ...]] = {
-    "int8": ("int8",), "fp16": ("fp16",), "fp32": ("fp32",),
+    "int8": ("int8",), "int4": ("int4",), "fp16": ("fp16",), "fp32": ("fp32",),
     "torchscript": ("ts_fp32", "ts_int8"), "portable": ("portable", "portable_fp16"),
     "pt2": ("portable_pt2",), "onnx": ("portable_onnx",), "aoti": ("portable_aoti",),
 }  # fmt: skip
@@ -30,10 +30,11 @@ class ExportConfig:
     """A step directory instead of the run's latest, or ``best`` (the run's best by held-out
     metric: checkpoints/best) or ``latest`` with run_dir."""
     formats: list[Format] = field(default_factory=lambda: list(DEFAULT_FORMATS))
-    """What to write (any of: int8, fp16, fp32, torchscript, portable, pt2, onnx, aoti).
+    """What to write (any of: int8, int4, fp16, fp32, torchscript, portable, pt2, onnx, aoti).
     Streamed table by table from the checkpoint (peak memory about the largest table):
-    ``int8`` (tables mapped by CPU workers, byte-rowwise int8), ``fp16`` (what CUDA workers
-    copy to their device), ``fp32`` (the model as trained: the parity reference, written
+    ``int8`` (tables mapped by CPU workers, byte-rowwise int8), ``int4`` (mapped like int8,
+    4-bit rowwise: half its bytes, more error; the embedding dim must be even), ``fp16``
+    (what CUDA workers copy to their device), ``fp32`` (the model as trained: the parity reference, written
     always, not archived). On request, from the whole model in memory (about 3x the fp32
     tables at peak): ``torchscript`` (TorchRec's TorchScript fp32 + int8; loading needs
     fbgemm), ``portable`` (torch-only TorchScript fp32 + fp16, ``portable_state.pt``), ``pt2``
@@ -79,6 +80,12 @@ class ExportConfig:
     """What CPU workers serve (the .mar's file): a written variant (int8, fp32, ts_int8,
     portable, ...) or ``fastest`` (the fastest measured at batch 100 among those passing
     parity)."""
+    memory_budget: int = 0
+    """Bytes the CPU workers' tables may take (0: no budget). When given, the export also
+    writes ``mixed``: each table in fp16, int8 or int4, lowered in the order of least
+    measured loss per byte saved on the parity rows until the tables fit (schema.json's
+    ``memory_budget`` records each table's choice and losses), and CPU workers serve it unless
+    cpu_variant names another than int8. Refused below the all-int4 size (which it names)."""
     cuda_dtype: Literal["fp16", "bf16", "fp32"] = "fp16"
     """Precision a CUDA worker serves the portable scorer in (recorded in schema.json; the
     handler's RECSYS_CUDA_DTYPE overrides it)."""
@@ -91,9 +98,13 @@ class ExportConfig:
         if self.run_dir is None and self.checkpoint is None:
             raise ConfigError("give --run-dir or --checkpoint (run_dir / checkpoint)")
         # what a TorchServe worker can load (onnx needs onnxruntime, aoti this machine's build)
-        named = {
-            v for f in self.formats if f not in ("onnx", "aoti") for v in FORMAT_VARIANTS[f]
-        } | {"fastest"}
+        named = (
+            {v for f in self.formats if f not in ("onnx", "aoti") for v in FORMAT_VARIANTS[f]}
+            | {"fastest"}
+            | ({"mixed"} if self.memory_budget > 0 else set())
+        )
+        if self.memory_budget < 0:
+            raise ConfigError(f"memory_budget = {self.memory_budget}: give bytes, or 0 for none")
         if self.cpu_variant not in named:
             raise ConfigError(
                 f"cpu_variant = {self.cpu_variant}: the formats written give "

@@ -50,7 +50,7 @@ HANDLER_MODULES = ("codec.py", "scoring.py")
 MODEL_MODULES = ("mapped.py", "portable_model.py", "features.py")
 MODEL_DIR = Path(recsys_model.__file__).parent
 # Reduced precision: judged by |ΔAUC| against the reference; the rest by max |Δp|.
-REDUCED = ("int8", "fp16", "ts_int8", "portable_fp16")
+REDUCED = ("int8", "int4", "mixed", "fp16", "ts_int8", "portable_fp16")
 # What a CUDA worker loads, carried in the .mar beside the CPU variant: the mapped fp16 tables
 # (copied to the device), else the portable TorchScript pair of an export that has one.
 CUDA_VARIANTS = (("fp16",), ("portable", "portable_fp16"))
@@ -93,6 +93,7 @@ def build_schema(
     served: str,
     fastest: str | None = None,
     cuda: tuple[str, ...] = (),
+    budget: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     rows = cfg.model.rows()
     return {
@@ -112,6 +113,7 @@ def build_schema(
         "transforms": dict(TRANSFORMS),
         "variants": {v: variants.info(v, p) for v, p in files.items()},
         "served_variant": served,
+        **({"memory_budget": budget} if budget else {}),
         # What the handler loads per device (serving/worker/handler.py: choose_variant).
         "serving": {
             "cpu": served,
@@ -220,7 +222,14 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
 
     try:
         built_variants = variants.build(
-            ckpt, cfg, tmp, list(ecfg.formats), arrays, ecfg.eager_check_bytes, ecfg.progress
+            ckpt,
+            cfg,
+            tmp,
+            list(ecfg.formats),
+            arrays,
+            ecfg.eager_check_bytes,
+            ecfg.progress,
+            ecfg.memory_budget,
         )
         files, loaded = built_variants.files, built_variants.models
         ref, ref_model = built_variants.reference, built_variants.reference_model
@@ -239,9 +248,14 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
         served = fastest if ecfg.cpu_variant == "fastest" and fastest else ecfg.cpu_variant
         if served == "fastest":  # nothing measured passed: the default
             served = "int8" if "int8" in files else next(iter(files))
+        if "mixed" in files and served == "int8":  # a budget: what fits it is served
+            served = "mixed"
         cuda = next((c for c in CUDA_VARIANTS if all(v in files for v in c)), ())
         (tmp / "parity.json").write_text(json.dumps(parity, indent=2))
-        schema = build_schema(ecfg, cfg, meta, ckpt, run_dir, files, parity, served, fastest, cuda)
+        schema = build_schema(
+            ecfg, cfg, meta, ckpt, run_dir, files, parity, served, fastest, cuda,
+            built_variants.budget,
+        )  # fmt: skip
         (tmp / "schema.json").write_text(json.dumps(schema, indent=2))
         lap("schema")
         built = None

@@ -8,7 +8,8 @@ TableWriter`) before the next is read. Peak memory: the largest table in fp32 pl
 copies, instead of every format of every table at once (7x the fp32 tables measured before).
 
 ``fp32`` is the model as trained (it rebuilds every other format and is the parity reference);
-``int8`` is what a CPU worker serves, ``fp16`` what a GPU worker copies to its device.
+``int8`` is what a CPU worker serves, ``fp16`` what a GPU worker copies to its device, ``int4``
+half of int8's bytes (``mixed``, a per-table mix by memory budget: training/export/budget.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from training.features import SPARSE_NAMES, table_name
 from training.model import build_dlrm
 
 logger = logging.getLogger("training.export")
-MAPPED_FORMATS = ("int8", "fp16", "fp32")
+MAPPED_FORMATS = ("int8", "int4", "fp16", "fp32")
 
 
 def mapped_name(fmt: str) -> str:

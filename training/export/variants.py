@@ -20,6 +20,7 @@ import torch
 
 from recsys_model.mapped import sha256
 from training.data.loader import Arrays
+from training.export.budget import write_mixed
 from training.export.portable import PORTABLE, load_variant, portable_scorer, save_portable
 from training.export.scorer import eager_scorer, load_dlrm, raw_inputs, script_variant
 from training.export.stream import MAPPED_FORMATS, load_formats, write_mapped
@@ -38,6 +39,8 @@ class Variants:
     reference: str = "fp32"
     """``eager`` (TorchRec's model) or ``fp32`` (the streamed tables)."""
     reference_model: Any = None
+    budget: dict[str, Any] | None = None
+    """schema.json's ``memory_budget`` (the ``mixed`` variant's per-table choice), if asked."""
 
 
 def fp32_table_bytes(model_cfg: Any) -> int:
@@ -52,14 +55,19 @@ def build(
     arrays: Arrays,
     eager_check_bytes: int,
     progress: bool = False,
+    memory_budget: int = 0,
 ) -> Variants:
-    """Write every format of ``formats`` into ``out`` and load each back (CPU)."""
+    """Write every format of ``formats`` into ``out`` and load each back (CPU); with a
+    ``memory_budget``, the ``mixed`` tables too (:mod:`training.export.budget`)."""
     v = Variants()
     t0 = time.perf_counter()
     mapped = [f for f in MAPPED_FORMATS if f in formats or f == "fp32"]  # fp32: the reference
     v.files.update(write_mapped(ckpt, cfg.model, out, mapped, progress=progress))
     v.models.update(load_formats(v.files))
     logger.info("mapped tables %s written in %.1f s", ", ".join(mapped), time.perf_counter() - t0)
+    if memory_budget:
+        v.files["mixed"], v.budget = write_mixed(v.models["fp32"], arrays, out, memory_budget)
+        v.models.update(load_formats({"mixed": v.files["mixed"]}))
     whole = {f for f in formats if f not in MAPPED_FORMATS}
     if not whole and fp32_table_bytes(cfg.model) > eager_check_bytes:
         v.reference_model = v.models["fp32"]
@@ -84,7 +92,7 @@ def build(
 def info(variant: str, path: Path) -> dict[str, Any]:
     """Size, checksum, kind, what loading it needs, its device and precision, for
     schema.json's ``variants`` (a mapped variant also names its tables file)."""
-    if variant in MAPPED_FORMATS:
+    if variant in (*MAPPED_FORMATS, "mixed"):
         tables = torch.load(path, map_location="cpu", weights_only=True)["tables"]
         kind, requires, dtype = "mapped", ["torch"], variant
     elif variant in TORCHSCRIPT:
@@ -95,14 +103,15 @@ def info(variant: str, path: Path) -> dict[str, Any]:
         requires = ["onnxruntime"] if kind == "onnx" else ["torch"]
         dtype = "fp16" if variant.endswith("fp16") else "fp32"
     # CPU only: TorchRec's TorchScript (fbgemm CPU kernels), AOTInductor packages (compiled for
-    # this machine's CPU) and the int8 tables (torch's byte-rowwise kernel is CPU only)
-    cpu_only = kind == "aoti" or variant in TORCHSCRIPT or variant == "int8"
+    # this machine's CPU) and the quantized tables (torch's rowwise kernels are CPU only)
+    cpu_only = kind == "aoti" or variant in TORCHSCRIPT or variant in ("int8", "int4", "mixed")
     record = {
         "file": path.name, "bytes": path.stat().st_size, "sha256": sha256(path), "kind": kind,
         "requires": requires, "device": "cpu" if cpu_only else "any", "dtype": dtype,
     }  # fmt: skip
     if tables is not None:
-        record["tables"] = {k: tables[k] for k in ("file", "format", "bytes", "sha256")}
+        keys = ("file", "format", "bytes", "sha256", "formats")
+        record["tables"] = {k: tables[k] for k in keys if k in tables}
     return record
 
 
@@ -113,6 +122,6 @@ def archived(files: dict[str, Path], served: str, cuda: tuple[str, ...]) -> list
     for name in dict.fromkeys((served, *cuda)):
         path = files[name]
         out.append(path)
-        if name in MAPPED_FORMATS:
+        if name in (*MAPPED_FORMATS, "mixed"):
             out.append(path.parent / f"tables_{name}.bin")
     return out
