@@ -62,27 +62,17 @@ def run_train(
 ) -> subprocess.CompletedProcess[str]:
     """``torchrun --nproc_per_node=nproc -m training.train args`` (plain python for nproc=0:
     a child of the warm Python, ``tests/warm.py``, unless ``cold``)."""
-    if nproc == 0 and not cold:
-        proc = warm.run_module("training.train", args, ROOT, _env(env), timeout)
-        cmd = proc.args
-    elif nproc == 0:
-        cmd = [sys.executable, "-m", "training.train", *args]
+    if nproc == 0:
+        proc = warm.run_module("training.train", args, ROOT, _env(env), timeout, cold=cold)
     else:
-        cmd = [
-            str(VENV_BIN / "torchrun"),
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "training.train",
-            *args,
-        ]
-    if nproc != 0 or cold:
+        cmd = [str(VENV_BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "training.train", *args]  # fmt: skip
         proc = subprocess.run(
             cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout
         )
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}\n--- stderr (tail) ---\n{proc.stderr[-4000:]}"
+            f"{' '.join(proc.args)} exited {proc.returncode}\n--- stderr (tail) ---\n{proc.stderr[-4000:]}"
         )
     return proc
 
@@ -145,12 +135,9 @@ def run_export(
     """``python -m training.export args``: a child of the warm Python (``tests/warm.py``), or
     a process of its own (``cold``: what a cold start prints, its import-time noise, is
     checked)."""
-    args = ["--no-progress", *args]
-    if cold:
-        proc = subprocess.run([sys.executable, "-m", "training.export", *args], cwd=ROOT,
-                              env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
-    else:
-        proc = warm.run_module("training.export", args, ROOT, _env(), 300)
+    proc = warm.run_module(
+        "training.export", ["--no-progress", *args], ROOT, _env(), 300, cold=cold
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"export exited {proc.returncode}\n{proc.stderr[-3000:]}")
     return proc
@@ -277,8 +264,9 @@ LONGEST_FIRST = (
     "serving/test_mapped.py", "serving/test_gateway.py", "serving/test_canary.py",
     "serving/test_scale.py", "training/test_errors.py", "serving/test_failover.py",
     "test_notebook.py", "serving/test_auth.py", "serving/test_portable.py",
-    "serving/test_overload.py", "deploy/test_train_job.py", "training/test_model_name.py", "training/test_bench_scale.py",
-    "training/test_presets_guard.py", "serving/test_supervisor.py", "training/test_export_int4.py", "serving/test_takeover.py",
+    "serving/test_overload.py", "deploy/test_train_job.py", "training/test_model_name.py",
+    "training/test_bench_scale.py", "training/test_presets_guard.py", "serving/test_supervisor.py",
+    "training/test_export_int4.py", "serving/test_takeover.py",
     "serving/test_limits.py", "serving/test_bench.py", "serving/test_defaults.py",
     "serving/test_discovery.py", "serving/test_threads.py", "serving/test_admission.py",
     "serving/test_tls_tools.py", "training/test_preprocess.py", "serving/test_kserve_rest.py",

@@ -184,11 +184,17 @@ _WARM: Warm | None = None
 
 
 def run_module(
-    module: str, args: list[str], cwd: Path, env: dict[str, str], timeout: float
+    module: str,
+    args: list[str],
+    cwd: Path,
+    env: dict[str, str],
+    timeout: float,
+    cold: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m module args`` (captured, text), warm unless ``RECSYS_TEST_COLD=1``."""
+    """``python -m module args`` (captured, text), warm unless ``cold`` or
+    ``RECSYS_TEST_COLD=1``."""
     global _WARM
-    if os.environ.get(COLD_ENV, "") not in ("", "0"):
+    if cold or os.environ.get(COLD_ENV, "") not in ("", "0"):
         return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
                               capture_output=True, text=True, timeout=timeout)  # fmt: skip
     if _WARM is None:
