@@ -60,15 +60,16 @@ def run_train(
     check: bool = True,
     cold: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nproc_per_node=nproc -m training.train args`` (plain python for nproc=0:
-    a child of the warm Python, ``tests/warm.py``, unless ``cold``)."""
+    """``torchrun --nproc_per_node=nproc -m training.train args`` (plain python for nproc=0);
+    the run (or each rank) a child of the warm Python, ``tests/warm.py``, unless ``cold``."""
     if nproc == 0:
         proc = warm.run_module("training.train", args, ROOT, _env(env), timeout, cold=cold)
     else:
         cmd = [str(VENV_BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
                "-m", "training.train", *args]  # fmt: skip
+        run_env = warm.cold_env(_env(env)) if cold else _env(env)  # ranks: warm unless cold
         proc = subprocess.run(
-            cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout
+            cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout
         )
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -299,3 +300,11 @@ def pytest_configure(config: pytest.Config) -> None:
                 if old.is_dir() and time.time() - old.stat().st_mtime > 86400:
                     shutil.rmtree(old, ignore_errors=True)
         config.option.basetemp = tempfile.mkdtemp(prefix="rs-", dir=tmp)
+    if not workers or hasattr(config, "workerinput"):  # a process that runs tests, not xdist's
+        warm.install(ROOT, _env())  # controller: its entry-point starts go to a warm Python
+
+
+# The suite starts ~35 short-lived TorchServes: C1-only JIT and a serial GC for their Java
+# frontends (serving/torchserve/config.py ``jvm_args``: a third less CPU to READY and over
+# their first calls, measured there). A variable set before the run wins.
+os.environ.setdefault("RECSYS_TS_JVM_ARGS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")

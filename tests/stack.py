@@ -10,6 +10,7 @@ the product's own launchers (``serving.torchserve.process``, ``serving.tools.sup
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import time
@@ -42,7 +43,9 @@ MODEL = {"mar_file": "dlrm-tiny-1.0.mar", "model_name": "dlrm-tiny", "model_vers
 def torchserve_config(store: Path, workdir: Path, **overrides: Any) -> TorchServeConfig:
     """The tiny model's TorchServe (or the model ``overrides`` names) on five free ports, state
     in ``workdir``."""
-    settings = {**MODEL, **overrides}
+    # the suite's JVM flags (tests/conftest.py), as `load` gives them to the `make` stacks
+    jvm = {"jvm_args": os.environ.get("RECSYS_TS_JVM_ARGS", "")}
+    settings = {**MODEL, **jvm, **overrides}
     return on_free_ports(TorchServeConfig(model_store=store, workdir=workdir, **settings))
 
 

@@ -98,6 +98,12 @@ class TorchServeConfig:
     """TorchServe's log4j2 configuration: ``lean`` (serving/torchserve/log4j2.xml: one stream,
     no per-request lines from the Java frontend, which measured as its largest per-request
     cost), ``default`` (TorchServe's own: access, DEBUG and metrics logs), or a file path."""
+    jvm_args: str = env_field("RECSYS_TS_JVM_ARGS", "")
+    """Extra flags for TorchServe's Java frontend (its ``vmargs``), split on spaces; empty =
+    the JVM's defaults (tiered C1+C2 compilation, G1: best for a long-lived server). A fleet
+    of short-lived instances (the test suite starts ~35) gives ``-XX:TieredStopAtLevel=1
+    -XX:+UseSerialGC``: measured here 2.2 vs 3.4 CPU-s to READY and 8 vs 11 CPU-ms a call
+    over an instance's first 300 calls, JIT threads idle sooner."""
     token_expiration_min: float = 60 * 24 * 365
     """Lifetime of the keys in key_file.json; TorchServe's default (60 min) would lock out a
     gateway that read the key once, so a long-lived instance gets a long-lived key."""
@@ -267,6 +273,7 @@ def properties(cfg: TorchServeConfig) -> dict[str, object]:
         "metrics_mode": "prometheus",
         "enable_metrics_api": "true",
         "enable_envvars_config": "false",  # no TS_* variable silently overrides this file
+        **({"vmargs": " ".join(cfg.jvm_args.split())} if cfg.jvm_args.strip() else {}),
     }
 
 

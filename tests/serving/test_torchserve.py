@@ -130,6 +130,12 @@ def test_properties_keep_auth_on_and_register_the_model(tmp_path: Path) -> None:
         write_properties(TorchServeConfig(model_store=tmp_path, model_name="m", model_version="3"))
     off = dataclasses.replace(cfg, model_api=False)
     assert "enable_model_api=false" in write_properties(off).read_text()
+    # JVM flags: TorchServe's vmargs, spaces normalised; none at all when empty
+    jvm = dataclasses.replace(cfg, jvm_args=" -XX:TieredStopAtLevel=1  -XX:+UseSerialGC ")
+    assert (
+        "\nvmargs=-XX:TieredStopAtLevel=1 -XX:+UseSerialGC\n" in write_properties(jvm).read_text()
+    )
+    assert "vmargs" not in write_properties(dataclasses.replace(cfg, jvm_args="")).read_text()
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +277,14 @@ def test_every_torchserve_api_listens_on_loopback_only(
         addr = ipaddress.ip_address(ip)
         addr = getattr(addr, "ipv4_mapped", None) or addr
         assert addr.is_loopback, f"port {port} listens on {ip}"
+
+
+def test_the_java_frontend_runs_with_the_configured_flags(torchserve: Served) -> None:
+    cfg, proc = torchserve
+    java = [p for p in process.group_members(proc.pid) if p.name() == "java"]
+    assert len(java) == 1, process.group_members(proc.pid)
+    flags = cfg.jvm_args.split()  # the suite sets RECSYS_TS_JVM_ARGS (tests/conftest.py)
+    assert flags and set(flags) <= set(java[0].cmdline()), (flags, java[0].cmdline())
 
 
 @pytest.mark.slow

@@ -1,0 +1,86 @@
+"""The suite's warm start (tests/warm.py, tests/warm_site/sitecustomize.py) keeps what a caller
+of ``python -m training.*`` sees: output, exit codes, signals, and no run outliving a killed
+process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests import warm
+from tests.conftest import ROOT, _env, data_dirs  # noqa: F401 - data_dirs: a fixture
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get(warm.COLD_ENV, "") not in ("", "0"), reason="the warm Python is off"
+)
+
+
+def _server() -> psutil.Process:
+    assert warm._WARM is not None and warm._WARM.proc is not None
+    warm._WARM._wait_started()
+    return psutil.Process(warm._WARM.proc.pid)
+
+
+@pytest.mark.parametrize(
+    "args", [["training.export", "--help"], ["training.train", "--no-such-option"]]
+)
+def test_a_warm_start_prints_and_exits_as_a_cold_one(args: list[str]) -> None:
+    _server()
+    runs = [
+        subprocess.run([sys.executable, "-u", "-m", *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+        for env in (_env(), warm.cold_env(_env()))
+    ]
+    (hot, cold) = runs
+    assert (hot.returncode, hot.stdout, hot.stderr) == (cold.returncode, cold.stdout, cold.stderr)
+    assert cold.returncode in (0, 2) and (cold.stdout or cold.stderr)
+
+
+def _started(tmp_path: Path, data: list[str]) -> tuple[subprocess.Popen[bytes], psutil.Process]:
+    """A long one-process training run started as make would: (the stand-in, the warm child)."""
+    args = ["--config", "training/configs/tiny.toml", "--no-progress", "--run-dir",
+            str(tmp_path / "run"), *data, "train.epochs=1000", "train.max_steps=0"]  # fmt: skip
+    server = _server()
+    before = {p.pid for p in server.children()}
+    proc = subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=ROOT, env=_env())
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        new = [p for p in server.children() if p.pid not in before]
+        if new:
+            return proc, new[0]
+        assert proc.poll() is None, f"the run exited {proc.returncode} before its child showed"
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("no warm child appeared in 120 s")
+
+
+def _gone(child: psutil.Process, within: float = 30.0) -> bool:
+    try:
+        child.wait(timeout=within)
+    except psutil.TimeoutExpired:
+        return False
+    return True
+
+
+def test_a_signal_to_the_stand_in_reaches_the_run_and_its_death_is_mirrored(
+    tmp_path: Path, data_dirs: list[str]
+) -> None:
+    proc, child = _started(tmp_path, data_dirs)
+    assert child.cwd() == str(ROOT) and child.environ().get("RANK") is None
+    proc.send_signal(signal.SIGTERM)  # the run has no handler for it: killed by it
+    assert proc.wait(timeout=60) == -signal.SIGTERM
+    assert _gone(child)
+
+
+def test_a_sigkilled_stand_in_takes_its_run_with_it(tmp_path: Path, data_dirs: list[str]) -> None:
+    proc, child = _started(tmp_path, data_dirs)
+    proc.kill()
+    proc.wait(timeout=60)
+    assert _gone(child), "the warm child outlived its SIGKILLed stand-in"
