@@ -49,7 +49,8 @@ class Deltas:
     def __init__(self, folder: Path, base: Any, base_version: str, base_sha256: str) -> None:
         self.folder, self.base_version, self.base_sha256 = folder, base_version, base_sha256
         self.current: Any = base  # what a batch scores with: swapped whole
-        self.label, self.chain, self.error = "", (), ""
+        self.label, self.error = "", ""
+        self.chain: Chain = ()
         empty = torch.empty(0, dtype=torch.int64)
         self.kept: dict[Chain, tuple[Any, torch.Tensor, torch.Tensor, str]] = {
             (): (base, empty, torch.empty(0, 0, dtype=torch.uint8), "")

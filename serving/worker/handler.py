@@ -86,7 +86,9 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
     on = torch.device("cpu")  # the device this worker scores on (BaseHandler owns .device)
     retuned_at = 0.0
     served: dict[str, str] = {}  # noqa: RUF012  set per instance by initialize
-    deltas: Deltas | None = None  # the delta chain over the mapped tables (serving/worker/deltas.py)
+    deltas: Deltas | None = (
+        None  # the delta chain over the mapped tables (serving/worker/deltas.py)
+    )
 
     def initialize(self, context: Any) -> None:
         props = context.system_properties

@@ -26,12 +26,19 @@ from typing import Any
 
 import torch
 
-from recsys_model.delta import DELTA_FORMATS, DeltaError, chain_state, merge, overlay, read_pointer
-from recsys_model.delta import write_delta
+from recsys_model.delta import (
+    DELTA_FORMATS,
+    DeltaError,
+    chain_state,
+    merge,
+    overlay,
+    read_pointer,
+    write_delta,
+)
 from recsys_model.mapped import load_mapped, pack, row_bytes
-from training.export.stream import _read, dense_scorer, mapped_name
-from training.export.scorer import CHECKPOINT_PREFIX
 from training.export.portable import EBC
+from training.export.scorer import CHECKPOINT_PREFIX
+from training.export.stream import _read, dense_scorer, mapped_name
 from training.features import SPARSE_NAMES, table_name
 
 
