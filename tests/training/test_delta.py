@@ -7,18 +7,31 @@ warm), a full export of that checkpoint, and the delta of it over the session's 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+import numpy as np
 import pytest
 import torch
 
 from recsys_model.delta import read_pointer, write_pointer
 from recsys_model.mapped import load_mapped
-from serving.worker.deltas import Deltas
+from serving.bench.servers import wait_all_workers
+from serving.tools.deltas import wait_served
+from serving.tools.served import RolloutError
+from serving.torchserve import process
+from serving.torchserve.client import inference_key, score
+from serving.worker.codec import decode_response, encode_request
+from serving.worker.deltas import APPLY_DELAY_ENV, Deltas
 from tests.conftest import run_export, run_train
+from tests.stack import STARTUP_TIMEOUT_S, torchserve_config
 from training.checkpoint import store as checkpoint
 from training.config import config_from_dict
 from training.export.delta import make_delta
@@ -136,3 +149,59 @@ def test_rollback_is_a_swap_and_batches_never_mix(later: dict[str, Any], tmp_pat
         flipper.join()
     assert not mixed, mixed
     print(counts)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_apply_serves_n_or_n1_and_recovers(
+    later: dict[str, Any], exported: tuple[Path, Path, str], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Real TorchServe, 2 workers: the pointer moves, one worker is SIGKILLed while it applies
+    (held 4 s mid-apply); every reply meanwhile is all N or all N+1, and the restarted worker
+    comes up serving N+1, acknowledged like the other."""
+    folder = tmp_path / "deltas" / "dlrm-tiny" / "1.0"
+    shutil.copytree(later["folder"], folder)
+    monkeypatch.setenv("RECSYS_DELTA_DIR", str(tmp_path / "deltas"))
+    monkeypatch.setenv(APPLY_DELAY_ENV, "4")
+    cfg = torchserve_config(exported[1], tmp_path / "ts", workers=2)
+    proc = process.start(cfg)
+    try:
+        wait_all_workers(cfg, proc, STARTUP_TIMEOUT_S)
+        key = inference_key(cfg.key_file)
+        base = load_mapped(later["base"] / "mapped_int8.pt", torch.device("cpu"))
+        full = load_mapped(later["full"] / "mapped_int8.pt", torch.device("cpu"))
+        batch = _batch(base, seed=2, batch=64)
+        body = encode_request(*(t.numpy() for t in batch))
+        # N: the base export; N+1: the full export of the delta's checkpoint (equal: above)
+        versions = {"N": _score(base, batch).numpy(), "N+1": _score(full, batch).numpy()}
+        write_pointer(folder, [later["record"]])
+        seen: list[str] = []
+
+        def served(ch: grpc.Channel) -> str:
+            got = decode_response(score(ch, (cfg.model_name, cfg.model_version), body, 60, key))
+            near = [v for v, p in versions.items() if np.abs(got - p).max() < 1e-5]
+            assert len(near) == 1, {v: float(np.abs(got - p).max()) for v, p in versions.items()}
+            return near[0]
+
+        with grpc.insecure_channel(cfg.grpc_inference_target) as ch:
+            pids = [w["pid"] for m in process.describe(cfg) for w in m["workers"]]
+            seen += [served(ch) for _ in range(5)]  # both workers are inside the apply now
+            os.kill(int(pids[0]), signal.SIGKILL)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while time.monotonic() < deadline:
+                with contextlib.suppress(grpc.RpcError):  # the killed worker's call may fail
+                    seen.append(served(ch))
+                now = [w for m in process.describe(cfg) for w in m["workers"]]
+                ready = [int(w["pid"]) for w in now if w.get("status") == "READY"]
+                if len(ready) == 2 and pids[0] not in ready:
+                    with contextlib.suppress(RolloutError):
+                        wait_served(folder, "50", ready, 1.0)
+                        break
+            else:
+                raise AssertionError(f"workers did not all serve the delta: {now}")
+            after = [served(ch) for _ in range(10)]
+        assert set(after) == {"N+1"}, after
+        assert "N" in seen  # the survivor served N while it applied (held 4 s)
+        print(f"while applying and restarting: {seen.count('N')} N, {seen.count('N+1')} N+1")
+    finally:
+        process.stop(proc)
