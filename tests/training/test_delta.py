@@ -8,6 +8,7 @@ warm), a full export of that checkpoint, and the delta of it over the session's 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -205,3 +206,30 @@ def test_a_worker_killed_mid_apply_serves_n_or_n1_and_recovers(
         print(f"while applying and restarting: {seen.count('N')} N, {seen.count('N+1')} N+1")
     finally:
         process.stop(proc)
+
+
+def test_the_loop_publishes_a_delta_until_the_chain_is_compact_every_long(
+    tmp_path: Path,
+) -> None:
+    """continuous.deltas: a delta over the served default while RUN/export is its export and
+    its chain is shorter than compact_every; else (another export, a long chain) a full one."""
+    from training.continuous.config import load
+    from training.continuous.deltas import delta_target
+
+    serve, run, store = tmp_path / "serve", tmp_path / "run", tmp_path / "store"
+    serve.mkdir()
+    (run / "export").mkdir(parents=True)
+    (serve / "plan.json").write_text(json.dumps({"model": "dlrm-tiny", "default": "40"}))
+    schema = {"model": {"name": "dlrm-tiny", "version": "40"}}
+    (run / "export" / "schema.json").write_text(json.dumps(schema))
+    cfg = load({}, None, ["continuous.data_dir='x'", f"continuous.serve_dir='{serve}'",
+                          "continuous.deltas=true", "continuous.compact_every=2"])  # fmt: skip
+    folder = delta_target(cfg, run, store, "dlrm-tiny")
+    assert folder == store.resolve() / "deltas" / "dlrm-tiny" / "40"
+    folder.mkdir(parents=True)
+    write_pointer(folder, [{"file": "a", "sha256": "", "version": "41"}] * 2)
+    assert delta_target(cfg, run, store, "dlrm-tiny") is None  # compaction is due
+    write_pointer(folder, [])
+    schema["model"]["version"] = "39"  # RUN/export is not the default's
+    (run / "export" / "schema.json").write_text(json.dumps(schema))
+    assert delta_target(cfg, run, store, "dlrm-tiny") is None
