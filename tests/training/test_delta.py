@@ -222,7 +222,7 @@ def test_the_loop_publishes_a_delta_until_the_chain_is_compact_every_long(
     (serve / "plan.json").write_text(json.dumps({"model": "dlrm-tiny", "default": "40"}))
     schema = {"model": {"name": "dlrm-tiny", "version": "40"}}
     (run / "export" / "schema.json").write_text(json.dumps(schema))
-    cfg = load({}, None, ["continuous.data_dir='x'", f"continuous.serve_dir='{serve}'",
+    cfg = load({}, None, ["continuous.data_dir='x'", f"continuous.serve_dir={json.dumps(str(serve))}",
                           "continuous.deltas=true", "continuous.compact_every=2"])  # fmt: skip
     folder = delta_target(cfg, run, store, "dlrm-tiny")
     assert folder == store.resolve() / "deltas" / "dlrm-tiny" / "40"
