@@ -3,7 +3,7 @@
 When a stack serves this model and ``RUN/export`` is the export of its default version (the
 loop's last full publish), a due publish is a delta instead of an export + rollout:
 
-1. ``python -m training.export.delta``: the checkpoint's rows whose int8 bytes differ from
+1. ``training.export.delta``, in the loop's process: the checkpoint's rows whose int8 bytes differ from
    what the workers serve (the default's mapped tables + its chain), the dense weights, into
    ``<store>/deltas/<model>/<default>/``, gated in process on the arriving file's first
    ``rollout_eval_rows`` rows (rows the candidate never trained on) against what serves now:
@@ -27,8 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recsys_model.delta import read_pointer
+from recsys_model.delta import DeltaError, read_pointer
+from training.checkpoint import store as checkpoint
 from training.continuous.config import ContinuousConfig
+from training.errors import RecsysError
+from training.export.delta import gate, make_delta, unseen_arrays
+
+MARGIN = 0.002  # AUC the candidate may lose against what serves (the rollout's default margin)
 
 
 def delta_target(cfg: ContinuousConfig, run_dir: Path, store: Path, name: str) -> Path | None:
@@ -57,17 +62,19 @@ def publish_delta(
     c = cfg.continuous
     record: dict[str, Any] = {**base, "event": "delta", "base": folder.name, "promoted": False}
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "training.export.delta", "--run-dir", str(run_dir), "--base",
-           str(run_dir / "export"), "--deltas", str(folder), "--version", base["version"],
-           "--unseen-data", str(unseen), "--eval-rows", str(c.rollout_eval_rows)]  # fmt: skip
-    made = subprocess.run(cmd, capture_output=True, text=True)
-    record["make_s"] = round(time.perf_counter() - t0, 2)
-    try:
-        delta = json.loads(made.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        return {**record, "reason": made.stderr.strip()[-500:] or f"exit {made.returncode}"}
-    record.update(rows=delta["rows"], bytes=delta["bytes"], gate=delta.get("gate"))
-    if made.returncode:
+    try:  # in this process (torch imported): the import is no part of the freshness
+        ckpt = checkpoint.read_latest(run_dir / "checkpoints")
+        if ckpt is None:
+            raise DeltaError(f"{run_dir}: no checkpoint")
+        delta, now, candidate = make_delta(ckpt, cfg.model, run_dir / "export", folder,
+                                           base["version"])  # fmt: skip
+        arrays = unseen_arrays(unseen, cfg, c.rollout_eval_rows)
+        judged = gate(now, candidate, arrays, MARGIN)
+    except (DeltaError, OSError, ValueError, RecsysError) as e:
+        return {**record, "reason": f"delta not made: {e}"}
+    record.update(rows=delta["rows"], bytes=delta["bytes"], gate=judged,
+                  make_s=round(time.perf_counter() - t0, 2))  # fmt: skip
+    if not judged["passed"]:
         (folder / delta["file"]).unlink(missing_ok=True)
         return {**record, "reason": "evaluated gate: the candidate's AUC is lower"}
     cmd = [sys.executable, "-m", "serving.tools.deltas", "publish", "--workdir",
