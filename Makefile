@@ -222,6 +222,13 @@ bench-scale: setup  ## export/serving vs table size (SCALE_ARGS), preprocessing 
 	$(if $(filter serving,$(SCALE_STAGES)),$(PY) -m serving.bench.scale $(SCALE_ARGS))
 	$(if $(filter training,$(SCALE_STAGES)),$(PY) -m training.bench.scale $(SCALE_TRAIN_ARGS))
 
+# Issue 36: end of a training pass -> every replica serving it, by embedding delta and by full
+# re-export, side by side (2 replicas x 2 workers under Locust): reports/bench-freshness/.
+.PHONY: bench-freshness
+FRESHNESS_ARGS ?=
+bench-freshness: setup  ## delta vs full re-export at the demo and criteo-kaggle shapes: rows, bytes, freshness_s, failed calls, max |diff| [FRESHNESS_ARGS]
+	$(PY) -m loadtest.freshness $(FRESHNESS_ARGS)
+
 # The suite in TEST_WORKERS parallel pytest-xdist workers (most tests wait on processes they
 # started: TorchServe, torchrun, Locust; 3 on 2 cores overlap those waits). TEST_WORKERS=0: one
 # process.

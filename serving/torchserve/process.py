@@ -94,6 +94,8 @@ def launch(
         LOG_LOCATION=str(workdir / "logs"),
         METRICS_LOCATION=str(workdir / "logs"),
     )
+    # where the workers find each version's embedding deltas (serving/worker/deltas.py)
+    child_env.setdefault("RECSYS_DELTA_DIR", str(Path(cfg.model_store).resolve() / "deltas"))
     for name, value in (env or {}).items():
         if value is None:
             child_env.pop(name, None)

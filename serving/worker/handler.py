@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover - unit tests without TorchServe
 
 try:  # TorchServe puts the archive's extra files beside the handler, not in a package
     from codec import DESCRIBE, REJECTION, CodecError, decode_json, encode_response, merge  # type: ignore[import-not-found]
+    from deltas import DELTA_DIR_ENV, Deltas, folder_for  # type: ignore[import-not-found]
     from scoring import ScoringModel, choose_variant, to_tensors  # type: ignore[import-not-found]
 except ImportError:
     from serving.worker.codec import (
@@ -40,6 +41,7 @@ except ImportError:
         encode_response,
         merge,
     )
+    from serving.worker.deltas import DELTA_DIR_ENV, Deltas, folder_for
     from serving.worker.scoring import ScoringModel, choose_variant, to_tensors
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,9 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
     on = torch.device("cpu")  # the device this worker scores on (BaseHandler owns .device)
     retuned_at = 0.0
     served: dict[str, str] = {}  # noqa: RUF012  set per instance by initialize
+    deltas: Deltas | None = (
+        None  # the delta chain over the mapped tables (serving/worker/deltas.py)
+    )
 
     def initialize(self, context: Any) -> None:
         props = context.system_properties
@@ -105,6 +110,7 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
             "device": str(device), "variant": variant, "file": artifact,
             "dtype": str(dtype).removeprefix("torch.") if dtype else info.get("dtype", "fp32"),
         }  # fmt: skip
+        self.deltas = self._deltas(context.manifest["model"], model_dir / artifact)
         warm = os.environ.get("RECSYS_WARM_UP", "1") != "0"  # 0: skip (tests of startup)
         warm_s = self.scoring.warm_up() if warm else 0.0
         self.initialized = True
@@ -113,6 +119,20 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
             variant, artifact, f", cast to {dtype}" if dtype else "", device,
             torch.get_num_threads(), warm_s,
         )  # fmt: skip
+
+    def _deltas(self, manifest: dict[str, Any], artifact: Path) -> Deltas | None:
+        """With ``RECSYS_DELTA_DIR`` set and int8/int4 mapped tables: this version's delta
+        chain, applied now (a restarted worker comes up at the latest), then watched."""
+        root = os.environ.get(DELTA_DIR_ENV, "")
+        if not root or self.served.get("variant") not in ("int8", "int4"):
+            return None
+        record = torch.load(artifact, map_location="cpu", weights_only=True)["tables"]
+        name, version = manifest.get("modelName", ""), manifest.get("modelVersion", "")
+        deltas = Deltas(folder_for(root, name, version), self.scoring.model, version,
+                        record["sha256"])  # fmt: skip
+        deltas.poll()
+        deltas.watch()
+        return deltas
 
     def retune(self) -> None:
         """Every :data:`RETUNE_S`: the cores shared among the workers the replica runs now (a
@@ -133,6 +153,8 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
         Every failure is its own request's: a body that does not decode (or a request the model
         raises on) gets the handler's rejection with its reason, its batch-mates still score."""
         self.retune()
+        # the version this batch scores with, start to end (a delta swaps the next batch's)
+        model = self.deltas.current if self.deltas else self.scoring.model
         decoded: list[Any] = []
         for i, row in enumerate(data):
             if DESCRIBE in row:  # the gateway asks what serves (once per replica and version)
@@ -142,6 +164,7 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
                             **self.served,
                             "threads": torch.get_num_threads(),
                             "workers": replica_workers(),
+                            **(self.delta_state() if self.deltas else {}),
                         }
                     ).encode()
                 )
@@ -155,14 +178,14 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
         try:
             if good:
                 parts = [decoded[i][0] for i in good]
-                probs = self.scoring.forward(to_tensors(*merge(parts)))
+                probs = self.scoring.forward(to_tensors(*merge(parts)), model)
                 sizes = [len(p[0]) for p in parts]
                 scored = dict(zip(good, torch.split(probs, sizes), strict=True))
         except Exception:  # find the request the model refuses: score each alone
             logger.warning("batch of %d failed; scoring its requests one by one", len(good))
             for i in good:
                 try:
-                    scored[i] = self.scoring.forward(to_tensors(*decoded[i][0]))
+                    scored[i] = self.scoring.forward(to_tensors(*decoded[i][0]), model)
                 except Exception as e:
                     decoded[i] = self._reject(context, i, e)
         out: list[Any] = []
@@ -172,6 +195,11 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
             else:
                 out.append(scored[i].tolist() if x[1] else encode_response(scored[i]))
         return out
+
+    def delta_state(self) -> dict[str, Any]:
+        """What the describe answer says of the delta chain: label ("": the base), error."""
+        assert self.deltas is not None
+        return {"delta": self.deltas.label, "delta_error": self.deltas.error}
 
     def _decode(self, row: dict[str, Any]) -> tuple[Any, bool]:
         """One request's body -> (its numpy arrays, whether it came as JSON)."""

@@ -193,13 +193,14 @@ class ScoringModel:
         zero-copy numpy views (requests are merged as arrays, then :func:`to_tensors`)."""
         return _decode_request()(body, self.dense_count, self.sparse_count)  # type: ignore[no-any-return]
 
-    def forward(self, batch: Tensors) -> torch.Tensor:
+    def forward(self, batch: Tensors, model: Any = None) -> torch.Tensor:
         """One encoded batch ``(dense f32[B,D], values i64[N], lengths i32[F,B])`` -> its
         probabilities ``f32[B]`` on CPU (several requests: merged into one batch first, by
-        the codec's ``merge``; their scores are consecutive slices of these)."""
+        the codec's ``merge``; their scores are consecutive slices of these). ``model``: the
+        one to score with (a delta chain's version, taken once per batch), else the artifact's."""
         dense, values, lengths = batch
         with torch.inference_mode():
-            probs = self.model(
+            probs = (model or self.model)(
                 dense.to(self.device), values.to(self.device), lengths.to(self.device)
             )
         return probs.float().cpu()

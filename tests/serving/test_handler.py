@@ -199,10 +199,10 @@ def test_a_request_the_model_raises_on_fails_alone(exported: tuple[Path, Path, s
     class Refuses(ScoringModel):
         """The real model, refusing any batch with a NaN dense value (a fault injected)."""
 
-        def forward(self, batch: Tensors) -> torch.Tensor:
+        def forward(self, batch: Tensors, model: object = None) -> torch.Tensor:
             if batch[0].isnan().any():
                 raise RuntimeError("injected: NaN")
-            return super().forward(batch)
+            return super().forward(batch, model)
 
     handler = _handler(Refuses(export, "mapped_int8.pt", torch.device("cpu")))
     dense, values, lengths, expected = _sample(export)

@@ -68,6 +68,16 @@ class ContinuousSection:
     either trained on them (0 = all)."""
     rollout_args: list[str] = field(default_factory=list)
     """Extra arguments of `python -m serving.tools.rollout` (e.g. ["--dwell-s", "3"])."""
+    deltas: bool = False
+    """Publish as embedding deltas over the served default (issue 36: the rows whose int8
+    bytes changed + the dense weights, applied by every worker in place, no export, no
+    registration; training/continuous/deltas.py) whenever RUN/export is that default's
+    export; otherwise, and every ``compact_every`` deltas, a full export + rollout."""
+    compact_every: int = 4
+    """Deltas in a chain before the next publish is a full export + rollout (compaction)."""
+    delta_dwell_s: float = 0.0
+    """After every worker serves a delta: seconds the gateway's error gate watches the served
+    version (non-OK calls above 1%, or fewer than 20 calls to judge: rolled back); 0 = off."""
     keep_cache: bool = False
     """Keep each file's preprocessed cache (data.cache_dir) after it is consumed."""
 
@@ -79,7 +89,13 @@ class ContinuousConfig(Config):
     def validate(self) -> None:
         super().validate()
         c = self.continuous
-        for name in ("max_files", "progressive_rows", "checkpoint_every", "export_every"):
+        for name in (
+            "max_files",
+            "progressive_rows",
+            "checkpoint_every",
+            "export_every",
+            "compact_every",
+        ):
             if getattr(c, name) < 0:
                 raise ConfigError(f"continuous.{name} = {getattr(c, name)}: must be >= 0")
         if c.poll_s <= 0:

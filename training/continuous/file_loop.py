@@ -116,6 +116,7 @@ class Continuous:
         self.pipeline: Any = None
         self.last_metrics: dict[str, Any] = {}
         self.file_stats: dict[str, Any] = {}
+        self.pass_end = 0.0  # when the last pass ended, checkpoint written (a delta's clock)
 
     # -- files -----------------------------------------------------------------------------
 
@@ -308,7 +309,7 @@ class Continuous:
 
         def work() -> list[dict[str, Any]]:
             try:
-                return publish(self.cfg, self.run_dir, step, unseen)
+                return publish(self.cfg, self.run_dir, step, unseen, self.pass_end)
             except Exception as e:  # recorded; the loop goes on
                 return [{"event": "export", "ok": False, "step": step, "error": repr(e)}]
 
@@ -335,7 +336,7 @@ class Continuous:
         done waits for the next file, the rows it will be judged on."""
         step = self.progress.step
         logged = self.rank == 0 and any(
-            e.get("event") == "export" and e.get("step") == step
+            e.get("event") in ("export", "delta") and e.get("step") == step
             for e in self._records(self.run_dir / EVENTS)
         )
         if from_rank0(logged):
@@ -371,6 +372,7 @@ class Continuous:
             record.done = True
             self.ledger.files_since_export += 1
             self.save(path, info)
+            self.pass_end = time.time()
             done += 1
             self.events.write({
                 "event": "file", "file": name, "rows": record.rows, "trained_rows": record.row,

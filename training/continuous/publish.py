@@ -264,7 +264,9 @@ def export(
     return record
 
 
-def publish(cfg: ContinuousConfig, run_dir: Path, step: int, unseen: Path) -> list[dict[str, Any]]:
+def publish(
+    cfg: ContinuousConfig, run_dir: Path, step: int, unseen: Path, pass_end: float = 0.0
+) -> list[dict[str, Any]]:
     """Export step ``step`` of ``run_dir`` as version ``<step>`` (another when that name is
     another model's: module doc), ``unseen`` its rows never trained on, then roll it out if a
     stack serves this model; returns the records (export, and rollout when one ran)."""
@@ -273,6 +275,12 @@ def publish(cfg: ContinuousConfig, run_dir: Path, step: int, unseen: Path) -> li
     served_model, store = serving_stack(c.serve_dir) if c.rollout else (None, None)
     store = store or c.model_store
     base = {"step": step, "version": str(step), "model": name, "time": time.time()}
+    if c.deltas and served_model == name and store is not None:
+        from training.continuous.deltas import delta_target, publish_delta
+
+        folder = delta_target(cfg, run_dir, store, name)
+        if folder is not None:
+            return [publish_delta(cfg, run_dir, folder, base, unseen, pass_end or time.time())]
     record = export(cfg, run_dir, step, store, base, unseen)
     records: list[dict[str, Any]] = [record]
     if not record["ok"]:
