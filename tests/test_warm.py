@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from tests import warm
-from tests.conftest import ROOT, _env, data_dirs  # noqa: F401 - data_dirs: a fixture
+from tests.conftest import ROOT, _env
 
 pytestmark = pytest.mark.skipif(
     os.environ.get(warm.COLD_ENV, "") not in ("", "0"), reason="the warm Python is off"
@@ -34,8 +34,14 @@ def _server() -> psutil.Process:
 def test_a_warm_start_prints_and_exits_as_a_cold_one(args: list[str]) -> None:
     _server()
     runs = [
-        subprocess.run([sys.executable, "-u", "-m", *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-u", "-m", *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         for env in (_env(), warm.cold_env(_env()))
     ]
     (hot, cold) = runs
