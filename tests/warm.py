@@ -219,12 +219,10 @@ def serve(path: str) -> None:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                for fd in [sock.fileno(), conn.fileno(), sel.fileno(), *running]:
+                others = [c.fileno() for _, c in running.values()]
+                for fd in [sock.fileno(), conn.fileno(), sel.fileno(), *running, *others]:
                     with contextlib.suppress(OSError):
                         os.close(fd)
-                for _, other in running.values():
-                    with contextlib.suppress(OSError):
-                        os.close(other.fileno())
                 _child(req, fds)
             for fd in fds:
                 os.close(fd)
