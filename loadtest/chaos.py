@@ -37,7 +37,7 @@ from loadtest.chaos_report import LOG_ENV
 from loadtest.config import ROOT, LoadConfig, default_data, seconds
 from loadtest.faults import FAULTS, Cluster, Event, Replica, sample_rss, start_gateway, stop_all
 from loadtest.faults import ready_pids as _ready_pids
-from loadtest.locust_runner import run_locust
+from loadtest.locust_runner import end_load, run_locust
 from loadtest.run import git_commit
 from recsys_stack import config as rc
 from recsys_stack.net import free_ports
@@ -69,7 +69,7 @@ class ChaosConfig:
     """Two TorchServe replicas + a gateway under Locust, with a schedule of faults."""
 
     duration: str = "2m"
-    """How long Locust runs, e.g. 40s, 2m."""
+    """How long Locust runs at least, e.g. 40s, 2m (see ``max_extension_s``)."""
     interval_s: float = 20.0
     """Seconds between faults (the first one after one interval)."""
     schedule: list[str] = field(default_factory=lambda: list(DEFAULT_SCHEDULE))
@@ -92,6 +92,10 @@ class ChaosConfig:
     """Load seconds before a gateway's RSS baseline is taken: its warm-up ramp is over by then
     (+4 MB in the first 25 s, then flat for 4 minutes without faults: docs/chaos.md), so what
     grows after it is what a leak would grow."""
+    max_extension_s: float = 300.0
+    """How much longer than ``duration`` the load may run when recoveries are slow, so that
+    every fault of the schedule is injected and the phase after the last one lasts one interval
+    (the report says ``extended_s``); 0: stop at ``duration`` and skip what does not fit."""
     recover_timeout_s: float = 120.0
     """Longest wait for a component to be ready again (and for the stack to start)."""
     out: Path | None = None
@@ -116,6 +120,8 @@ class ChaosConfig:
         for key in ("users", "examples", "workers"):
             if getattr(self, key) < 1:
                 raise rc.ConfigError(f"{key} = {getattr(self, key)}: must be >= 1")
+        if self.max_extension_s < 0:
+            raise rc.ConfigError(f"max_extension_s = {self.max_extension_s}: must be >= 0")
         for key in ("interval_s", "timeout_s", "pause_s", "recover_timeout_s"):
             if getattr(self, key) <= 0:
                 raise rc.ConfigError(f"{key} = {getattr(self, key)}: must be > 0")
@@ -219,17 +225,24 @@ def _back_in_rotation(
         time.sleep(0.2)
 
 
+def load_end(cfg: ChaosConfig, events: Sequence[Event], t0: float) -> float:
+    """When the load stops: after ``duration``, and one interval after the last fault (a
+    recovery that ran slow pushed the schedule later)."""
+    return max([t0 + seconds(cfg.duration), *(e.at + cfg.interval_s for e in events[-1:])])
+
+
 def inject(cfg: ChaosConfig, c: Cluster, records: Records, locust: threading.Thread, t0: float
            ) -> tuple[list[Event], list[tuple[str, str]]]:  # fmt: skip
     """Run the schedule against ``c`` while Locust runs: (events, skipped faults with why)."""
     events: list[Event] = []
     skipped: list[tuple[str, str]] = []
-    last_start = t0 + seconds(cfg.duration) - cfg.interval_s / 2
+    last_start = t0 + seconds(cfg.duration) + cfg.max_extension_s - cfg.interval_s / 2
     turn = 0
     for k, name in enumerate(progress(cfg.schedule, desc="faults", unit="fault")):
         _until(t0 + (k + 1) * cfg.interval_s, locust)
         if not locust.is_alive() or time.time() > last_start:
-            skipped.append((name, f"at {time.time() - t0:.0f} s too late in a {cfg.duration} run"))
+            skipped.append((name, f"at {time.time() - t0:.0f} s too late in a {cfg.duration} run"
+                                  f" extended by at most {cfg.max_extension_s:g} s"))
             continue
         target = c.replicas[turn % len(c.replicas)]
         turn += name != "gateway-takeover"
@@ -255,13 +268,14 @@ def run(cfg: ChaosConfig, out: Path) -> dict[str, Any]:
     try:
         sample_rss(c)
         sampler.start()
-        load = LoadConfig(host=c.target, users=cfg.users, spawn_rate=float(cfg.users), duration=cfg.duration,
+        longest = f"{seconds(cfg.duration) + cfg.max_extension_s:g}s"  # ended sooner: load_end
+        load = LoadConfig(host=c.target, users=cfg.users, spawn_rate=float(cfg.users), duration=longest,
                           data=cfg.data, examples=cfg.examples, timeout_s=cfg.timeout_s)  # fmt: skip
         result: dict[str, Any] = {}
 
         def locust() -> None:
             try:
-                result["locust"] = run_locust(load, c.target, cfg.users, cfg.duration, out / "locust", float(cfg.users),
+                result["locust"] = run_locust(load, c.target, cfg.users, longest, out / "locust", float(cfg.users),
                                               locustfile=LOCUSTFILE, env={LOG_ENV: str(out / "requests")})  # fmt: skip
             except (RuntimeError, OSError, ValueError) as e:
                 result["error"] = e
@@ -274,6 +288,8 @@ def run(cfg: ChaosConfig, out: Path) -> dict[str, Any]:
         t0 = min((x.start for x in records.calls), default=time.time())
         c.gateways[0].primary_since = t0
         events, skipped = inject(cfg, c, records, thread, t0)
+        _until(load_end(cfg, events, t0), thread)
+        end_load()  # Locust's own clean quit: its CSVs and reports are written
         thread.join()
         sampler.done.set()
         sample_rss(c)
@@ -297,6 +313,7 @@ def build_report(cfg: ChaosConfig, c: Cluster, events: Sequence[Event], skipped:
     }
     report: dict[str, Any] = {
         "commit": git_commit(), "target": c.target, "duration_s": round(end - t0, 1),
+        "extended_s": round(max(0.0, end - t0 - seconds(cfg.duration)), 1),
         "backends": {r.backend: r.name for r in c.replicas},
         "ok_by_replica": {r.name: sum(x.ok and x.backend == r.backend for x in calls) for r in c.replicas},
         "overall": cr.stats(calls), "events": cr.recovery(calls, evs, t0, end),

@@ -93,7 +93,8 @@ def phases(
     calls: Sequence[Call], events: Sequence[dict[str, Any]], t0: float, end: float
 ) -> list[dict[str, Any]]:
     """One entry per phase: its bounds (s since ``t0``), the fault opening it, its stats."""
-    bounds = [t0, *(e["at"] for e in events), max(end, t0)]
+    # a fault that landed after the last call: an empty last phase, no call counted twice
+    bounds = [t0, *(e["at"] for e in events), max(end, t0, *(e["at"] for e in events))]
     out = []
     for k in range(len(bounds) - 1):
         lo, hi = bounds[k], bounds[k + 1]
@@ -214,6 +215,9 @@ def table(report: dict[str, Any]) -> str:
         rss += f"; hedges {h['hedges']} of {h['backend_calls']} TorchServe calls ({h['ratio']:.2%})"
     rows += ["", f"{o['requests']} calls, {o['failures']} failed "
                  f"({o['failures_by_code'] or 'none'}), success {o['success_ratio']:.4%}; {rss}"]  # fmt: skip
+    if report.get("extended_s"):
+        rows.append(f"load ran {report['extended_s']:g} s past its duration: slow recoveries "
+                    f"pushed the schedule later (max_extension_s)")  # fmt: skip
     return "\n".join(rows)
 
 

@@ -43,6 +43,17 @@ def _on_stop(signum: int, frame: object) -> None:
         _stop["locust"] = None  # once: a second SIGINT would cut its report short
 
 
+def end_load() -> bool:
+    """End the running Locust now, as a signal would but without marking a stop (a caller
+    that planned the end: ``loadtest.chaos``); False when none runs."""
+    proc = _stop["locust"]
+    if proc is None or proc.poll() is not None:
+        return False
+    proc.send_signal(signal.SIGINT)
+    _stop["locust"] = None
+    return True
+
+
 def stop_on_signals() -> None:
     """From now on (main thread), SIGINT and SIGTERM stop the load early and cleanly."""
     for sig in (signal.SIGINT, signal.SIGTERM):

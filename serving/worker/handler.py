@@ -110,7 +110,8 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
             "device": str(device), "variant": variant, "file": artifact,
             "dtype": str(dtype).removeprefix("torch.") if dtype else info.get("dtype", "fp32"),
         }  # fmt: skip
-        self.deltas = self._deltas(context.manifest["model"], model_dir / artifact)
+        mapped = info.get("kind") == "mapped" and info.get("file") == artifact
+        self.deltas = self._deltas(context.manifest["model"], model_dir / artifact) if mapped else None
         warm = os.environ.get("RECSYS_WARM_UP", "1") != "0"  # 0: skip (tests of startup)
         warm_s = self.scoring.warm_up() if warm else 0.0
         self.initialized = True
@@ -121,8 +122,9 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
         )  # fmt: skip
 
     def _deltas(self, manifest: dict[str, Any], artifact: Path) -> Deltas | None:
-        """With ``RECSYS_DELTA_DIR`` set and int8/int4 mapped tables: this version's delta
-        chain, applied now (a restarted worker comes up at the latest), then watched."""
+        """With ``RECSYS_DELTA_DIR`` set and int8/int4 mapped tables (``artifact`` is a mapped
+        variant's record, not a TorchScript file): this version's delta chain, applied now (a
+        restarted worker comes up at the latest), then watched."""
         root = os.environ.get(DELTA_DIR_ENV, "")
         if not root or self.served.get("variant") not in ("int8", "int4"):
             return None

@@ -12,6 +12,7 @@ import pytest
 
 from loadtest import chaos, faults
 from loadtest import chaos_report as cr
+from recsys_stack import config as rc
 from tests.conftest import ROOT, _env
 
 ACCEPT = {"min_success_ratio": 0.99, "max_rotation_s": 3.0, "max_rss_growth": 0.05}
@@ -75,6 +76,22 @@ def test_recovery_phases_and_verdict_from_records() -> None:
     assert cr.verdict(report, {**ACCEPT, "max_hedge_ratio": 0.05}) == ["success ratio 0.98 < 0.99"]
     hedged = cr.verdict(report, {**ACCEPT, "max_hedge_ratio": 0.04})
     assert hedged[-1] == "hedges: 7 of 140 TorchServe calls (5.00%, limit 4%)"
+
+
+def test_a_fault_after_the_last_call_gets_an_empty_phase_and_the_load_waits_for_it() -> None:
+    """CI: a takeover due at 30 s landed at 70.3 s, after a 70 s load's last call (70.1 s),
+    and that call was counted in two phases. Now its phase is empty, and the load runs on
+    until one interval after the last fault."""
+    calls = _calls()
+    late = [{"event": 1, "fault": "gateway-takeover", "component": "gateway a", "backend": "",
+             "at": calls[-1].end + 0.2, "ready_at": None, "detail": "", "error": ""}]  # fmt: skip
+    ph = cr.phases(calls, late, 100.0, calls[-1].end)
+    assert [p["requests"] for p in ph] == [len(calls), 0]
+    cfg = chaos.ChaosConfig(duration="70s", interval_s=10)
+    ev = faults.Event("gateway-takeover", "gateway a", "", 100.0 + 69.0)
+    assert chaos.load_end(cfg, [], 100.0) == 170.0 and chaos.load_end(cfg, [ev], 100.0) == 179.0
+    with pytest.raises(rc.ConfigError, match="max_extension_s"):
+        chaos.ChaosConfig(max_extension_s=-1).check()
 
 
 def test_options_refused_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
