@@ -241,8 +241,8 @@ def inject(cfg: ChaosConfig, c: Cluster, records: Records, locust: threading.Thr
     for k, name in enumerate(progress(cfg.schedule, desc="faults", unit="fault")):
         _until(t0 + (k + 1) * cfg.interval_s, locust)
         if not locust.is_alive() or time.time() > last_start:
-            skipped.append((name, f"at {time.time() - t0:.0f} s too late in a {cfg.duration} run"
-                                  f" extended by at most {cfg.max_extension_s:g} s"))
+            late = f"at {time.time() - t0:.0f} s too late in a {cfg.duration} run"
+            skipped.append((name, f"{late} extended by at most {cfg.max_extension_s:g} s"))
             continue
         target = c.replicas[turn % len(c.replicas)]
         turn += name != "gateway-takeover"

@@ -111,7 +111,9 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
             "dtype": str(dtype).removeprefix("torch.") if dtype else info.get("dtype", "fp32"),
         }  # fmt: skip
         mapped = info.get("kind") == "mapped" and info.get("file") == artifact
-        self.deltas = self._deltas(context.manifest["model"], model_dir / artifact) if mapped else None
+        self.deltas = (
+            self._deltas(context.manifest["model"], model_dir / artifact) if mapped else None
+        )
         warm = os.environ.get("RECSYS_WARM_UP", "1") != "0"  # 0: skip (tests of startup)
         warm_s = self.scoring.warm_up() if warm else 0.0
         self.initialized = True
