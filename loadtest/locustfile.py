@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from locust import User, constant, events, task  # first: it monkey-patches with
 from locust.runners import LocalRunner
 import gevent
 import gevent.lock
+import greenlet
 import grpc
 import grpc.experimental.gevent as grpc_gevent
 
@@ -151,6 +153,18 @@ def _build_before_the_clock(environment: Any, **_kw: Any) -> None:
     _ENV.append(environment)
     if isinstance(environment.runner, LocalRunner):
         _pool()
+
+
+@events.init.add_listener
+def _interrupt_in_the_main_greenlet(**_kw: Any) -> None:
+    """SIGINT (how ``loadtest.locust_runner`` ends a load early) as Locust's own Ctrl-C, but
+    raised in its main greenlet, from gevent's hub: Python raises KeyboardInterrupt in whatever
+    runs when the signal lands, under load a user's gRPC call, which Locust logs as that user's
+    failure, and the process then hung after its report (chaos on 2 cores). Installed by a
+    handler of its own, it also holds where a shell started the load in the background with
+    SIGINT ignored."""
+    main = greenlet.getcurrent()  # init fires in Locust's main(), which then joins its run
+    gevent.signal_handler(signal.SIGINT, lambda: main.throw(KeyboardInterrupt))
 
 
 @events.quit.add_listener
