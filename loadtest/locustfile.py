@@ -48,7 +48,6 @@ from locust import User, constant, events, task  # first: it monkey-patches with
 from locust.runners import LocalRunner
 import gevent
 import gevent.lock
-import greenlet
 import grpc
 import grpc.experimental.gevent as grpc_gevent
 
@@ -163,7 +162,7 @@ def _interrupt_in_the_main_greenlet(**_kw: Any) -> None:
     failure, and the process then hung after its report (chaos on 2 cores). Installed by a
     handler of its own, it also holds where a shell started the load in the background with
     SIGINT ignored."""
-    main = greenlet.getcurrent()  # init fires in Locust's main(), which then joins its run
+    main = gevent.getcurrent()  # init fires in Locust's main(), which then joins its run
     gevent.signal_handler(signal.SIGINT, lambda: main.throw(KeyboardInterrupt))
 
 
