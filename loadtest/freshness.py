@@ -15,6 +15,9 @@ steps; its end (the process exits with the checkpoint written) starts both clock
   ``freshness_s``: end of pass -> READY everywhere (the gateway's plan switch, ~1 s, not
   included: the full path is measured to its cheapest end).
 
+Between the two, the delta is rolled back under the same load (the pointer back one delta;
+``served_s``: every worker serving N again) and moved forward again.
+
 Failed calls are the Locust calls of each window that did not end OK. ``max_abs_diff``: the
 replicas' replies after the delta against the full export of the same checkpoint scored in
 process. Writes ``--out``/freshness.json and prints the table.
@@ -142,7 +145,8 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
         t_served = time.time()
         calls, bad = failed(records, t_end, t_served)
         result["delta"] = {"rows": record["rows"], "bytes": record["bytes"],
-                           "row_bytes": record["row_bytes"], "make_s": round(made - t_end, 2),
+                           "row_bytes": record["row_bytes"],
+                           "dense_bytes": record["dense_bytes"], "make_s": round(made - t_end, 2),
                            "inside_s": record["seconds"], "served_s": moved["served_s"],
                            "freshness_s": round(t_served - t_end, 2), "calls": calls,
                            "failed": bad, "workers": len(pids)}  # fmt: skip
@@ -152,6 +156,11 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
         batch = (rng.normal(size=(b, len(schema["features"]["dense"]))).astype(np.float32),
                  rng.integers(0, 10**7, feats * b), np.ones((feats, b), np.int32))  # fmt: skip
         after = replies(cluster, encode_request(*batch), (model, "1"))
+        t_back = time.time()  # rollback to N under the same load: the pointer back one delta
+        back = move(folder, [], pids, 120)
+        calls, bad = failed(records, t_back, time.time())
+        result["rollback"] = {"served_s": back["served_s"], "calls": calls, "failed": bad}
+        move(folder, [record], pids, 120)  # and forward again: the full path starts from N+1
         t_full = time.time()
         export_s = export(run, store, "2", work)
         for r in cluster.replicas:
@@ -187,10 +196,14 @@ def table(results: list[dict[str, Any]]) -> str:
     head = "| shape | path | rows | bytes | freshness_s | failed calls | max abs diff |"
     lines = [head, "|---|---|---|---|---|---|---|"]
     for r in results:
-        d, f = r["delta"], r["full"]
-        lines.append(f"| {r['preset']} | delta | {d['rows']:,} | {d['bytes']:,} | "
+        d, f, b = r["delta"], r["full"], r["rollback"]
+        floor = d["rows"] * d["row_bytes"] + d["dense_bytes"]  # rows x row bytes + dense
+        lines.append(f"| {r['preset']} | delta | {d['rows']:,} | {d['bytes']:,} "
+                     f"({d['bytes'] / floor:.2f}x rows x row bytes + dense) | "
                      f"{d['freshness_s']} (make {d['make_s']}, serve {d['served_s']}) | "
                      f"{d['failed']} of {d['calls']} | {r['max_abs_diff']:.2g} |")  # fmt: skip
+        lines.append(f"| {r['preset']} | rollback to N | - | - | {b['served_s']} (serve) | "
+                     f"{b['failed']} of {b['calls']} | - |")  # fmt: skip
         lines.append(f"| {r['preset']} | full re-export | all | {f['bytes']:,} (.mar) | "
                      f"{f['freshness_s']} (export {f['export_s']}, register {f['register_s']}) | "
                      f"{f['failed']} of {f['calls']} | - |")  # fmt: skip

@@ -74,7 +74,7 @@ def make_delta(
     ckpt: Path, model_cfg: Any, export: Path, folder: Path, version: str, fmt: str = "int8"
 ) -> tuple[dict[str, Any], Any, Any]:
     """Write ``ckpt``'s delta over ``folder``'s chain on ``export``'s ``fmt`` tables; returns
-    (its record: file, sha256, bytes, rows, row_bytes, seconds; the scorer serving now; the
+    (its record: file, sha256, bytes, rows, row_bytes, dense_bytes, seconds; the scorer serving now; the
     candidate's)."""
     if fmt not in DELTA_FORMATS:
         raise DeltaError(f"deltas are made of {'/'.join(DELTA_FORMATS)} tables, not {fmt}")
@@ -100,8 +100,9 @@ def make_delta(
     out = write_delta(folder / f"{seq:04d}-{version}.pt", delta)
     merged = merge(ref_ids, ref_rows, ids, rows)
     candidate = overlay(base, *merged, weights, version)
-    out.update(row_bytes=row_bytes(base.dim, fmt), seconds=round(time.perf_counter() - t0, 2),
-               parent=parent, chain=seq)  # fmt: skip
+    dense = sum(v.numel() * v.element_size() for v in weights.values())
+    out.update(row_bytes=row_bytes(base.dim, fmt), dense_bytes=dense, parent=parent, chain=seq,
+               seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
     return out, now, candidate
 
 
