@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The delta maker with torch and the export imported, as in the continuous loop's own process
 # (which makes the delta after its pass): it reads its argv as one JSON line, then runs.
 WARM = ("import json, sys; import training.export.delta as d; "
+        "import training.checkpoint.store, training.config; "
         "sys.exit(d.main(json.loads(sys.stdin.readline())))")  # fmt: skip
 LOAD_S = {"tiny": 150, "demo": 200, "criteo-kaggle": 600}  # Locust's run, spanning both paths
 
@@ -134,11 +135,14 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
         folder = store.resolve() / "deltas" / model / "1"
         args = ["--run-dir", str(run), "--base", str(base), "--deltas", str(folder),
                 "--version", str(2 * a.steps)]  # fmt: skip
-        printed, _ = maker.communicate(json.dumps(args) + "\n", timeout=900)
-        if maker.returncode:
-            raise RuntimeError(f"training.export.delta exited {maker.returncode}: see {work}")
-        record = json.loads(printed.strip().splitlines()[-1])
+        assert maker.stdin is not None and maker.stdout is not None
+        maker.stdin.write(json.dumps(args) + "\n")
+        maker.stdin.flush()
+        printed = maker.stdout.readline()  # its record, printed before the process ends
         made = time.time()
+        if maker.wait(timeout=900) or not printed:
+            raise RuntimeError(f"training.export.delta exited {maker.returncode}: see {work}")
+        record = json.loads(printed)
         pids = [int(w["pid"]) for r in cluster.replicas
                 for m in manage.describe(r.cfg, model, "1") or [] for w in m["workers"]]  # fmt: skip
         moved = move(folder, [record], pids, 120)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from recsys_model.delta import (
@@ -36,9 +37,10 @@ from recsys_model.delta import (
     write_delta,
 )
 from recsys_model.mapped import load_mapped, pack, row_bytes
+from training.checkpoint.rows import pread_into, table_rows
 from training.export.portable import EBC
 from training.export.scorer import CHECKPOINT_PREFIX
-from training.export.stream import _read, dense_scorer, mapped_name
+from training.export.stream import dense_scorer, mapped_name
 from training.features import SPARSE_NAMES, table_name
 
 
@@ -47,26 +49,46 @@ def base_version(export: Path) -> str:
     return str(json.loads((export / "schema.json").read_text())["model"]["version"])
 
 
+def differing_rows(new: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Indices of the rows of ``uint8[n, W]`` ``new`` and ``ref`` that differ: compared as the
+    widest words W divides, OR-ed across a row, then one flat nonzero (6x less CPU than
+    ``(new != ref).any(dim=1).nonzero()`` on a 262k x 24 block, which dominated a delta)."""
+    x, y = new.numpy(), ref.numpy()
+    word = next(
+        t for t in (np.uint64, np.uint32, np.uint16, np.uint8) if x.shape[1] % t().itemsize == 0
+    )
+    x, y = x.view(word), y.view(word)
+    acc = x[:, 0] != y[:, 0]
+    for j in range(1, x.shape[1]):
+        acc |= x[:, j] != y[:, j]
+    return torch.from_numpy(np.flatnonzero(acc))
+
+
 def changed_rows(
     ckpt: Path, base: Any, fmt: str, ref_ids: torch.Tensor, ref_rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global ids and packed rows of ``ckpt``'s tables that differ from ``base``'s mapping with
-    ``ref`` over it, streamed table by table (one table in fp32 at a time)."""
-    grid = base.sections[0][1]
-    rows = [int(r) for r in base.spec["rows"]]
+    """Global ids and packed rows of ``ckpt``'s tables that differ from ``base``'s mapped
+    file with ``ref`` over it. Read in blocks of rows into reused buffers (the checkpoint's
+    rows by :func:`table_rows`, the base's by ``pread``): the tables are read once, no table
+    is ever whole in memory, and no fresh memory is faulted in per table."""
+    width = row_bytes(base.dim, fmt)
     ids, packed, start = [], [], 0
-    for feature, n in zip(SPARSE_NAMES, rows, strict=True):
-        key = f"{CHECKPOINT_PREFIX}{EBC}.{table_name(feature)}.weight"
-        new = pack(_read(ckpt, [key])[key], fmt)
-        ref = grid[start : start + n]
-        lo, hi = torch.searchsorted(ref_ids, torch.tensor([start, start + n])).tolist()
-        if hi > lo:  # rows the chain already replaced: compare with those
-            ref = ref.clone()
-            ref[ref_ids[lo:hi] - start] = ref_rows[lo:hi]
-        local = (new != ref).any(dim=1).nonzero().flatten()
-        ids.append(local + start)
-        packed.append(new[local])
-        start += n
+    old = torch.empty(0, width, dtype=torch.uint8)
+    with open(base.tables_path, "rb") as served:  # a uniform file: the tables back to back
+        for feature, n in zip(SPARSE_NAMES, base.spec["rows"], strict=True):
+            key = f"{CHECKPOINT_PREFIX}{EBC}.{table_name(feature)}.weight"
+            for first, block in table_rows(ckpt, key):
+                new, at = pack(block, fmt), start + first
+                if old.shape[0] < new.shape[0]:
+                    old = torch.empty(new.shape[0], width, dtype=torch.uint8)
+                ref = pread_into(served, old[: new.shape[0]], at * width)
+                lo, hi = torch.searchsorted(ref_ids, torch.tensor([at, at + len(new)])).tolist()
+                if hi > lo:  # rows the chain already replaced: compare with those
+                    ref[ref_ids[lo:hi] - at] = ref_rows[lo:hi]
+                local = differing_rows(new, ref)
+                ids.append(local + at)
+                packed.append(new[local])
+            start += int(n)
     return torch.cat(ids), torch.cat(packed)
 
 
@@ -157,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.unseen_data is not None:
         record["gate"] = gate(now, candidate, unseen_arrays(a.unseen_data, cfg, a.eval_rows),
                               a.margin)  # fmt: skip
-    print(json.dumps(record))
+    print(json.dumps(record), flush=True)  # a caller may read it before this process ends
     return 0 if record.get("gate", {}).get("passed", True) else 1
 
 
