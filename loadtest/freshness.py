@@ -7,7 +7,9 @@ headless Locust (the chaos user: one record per call). Then train one more pass 
 steps; its end (the process exits with the checkpoint written) starts both clocks:
 
 * **delta**: ``training.export.delta`` (the rows whose int8 bytes changed + dense; in a
-  process started before the pass, with torch imported, as the continuous loop makes it)
+  process started before the pass, with torch imported, as the continuous loop makes it),
+  gated as the loop gates it: the candidate and what serves scored on rows neither trained
+  on (the last tenth of the data, inside the eval split), a lower AUC refuses it
   and ``serving.tools.deltas``' move (pointer renamed in, every worker of both replicas
   acknowledges). ``freshness_s``: end of pass -> the last acknowledgement;
 * **full**: ``python -m training.export`` of the same checkpoint as version 2 (``.mar``) and
@@ -82,6 +84,22 @@ def export(run: Path, store: Path, version: str, work: Path) -> float:
               work / "export.log")[0]  # fmt: skip
 
 
+def unseen_rows(data: Path, run: Path, out: Path) -> Path:
+    """The last tenth of ``data``'s rows (inside the eval split the runs never train on) as
+    ``out``, parsed into the run's cache now: the loop's gate reads the arriving file that its
+    progressive validation parsed before the pass (training/continuous/deltas.py)."""
+    from training.checkpoint import store as checkpoint
+    from training.config import config_from_dict
+    from training.export.delta import unseen_arrays
+
+    lines = data.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[-(len(lines) // 10) :]))
+    ckpt = checkpoint.read_latest(run / "checkpoints")
+    assert ckpt is not None, run
+    unseen_arrays(out, config_from_dict(checkpoint.read_meta(ckpt)["config"]), 0)
+    return out
+
+
 def failed(records: Records, t0: float, t1: float) -> tuple[int, int]:
     """(calls, failed calls) of Locust's records that started in [t0, t1]."""
     calls = [c for c in records.poll() if t0 <= c.start <= t1]
@@ -111,6 +129,7 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
     schema = json.loads((base / "schema.json").read_text())
     model = schema["model"]["name"]
     data = next((work / "syn").glob("*.tsv"))
+    gate = unseen_rows(data, run, work / "gate.tsv")
     cfg = ChaosConfig(model_store=store, workers=2, data=data, users=a.users,
                       gateway=GatewayConfig(schema=base / "schema.json"))  # fmt: skip
     out = a.out / preset
@@ -134,15 +153,18 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
         t_end = time.time()
         folder = store.resolve() / "deltas" / model / "1"
         args = ["--run-dir", str(run), "--base", str(base), "--deltas", str(folder),
-                "--version", str(2 * a.steps)]  # fmt: skip
+                "--version", str(2 * a.steps), "--unseen-data", str(gate), "--eval-rows", "0"]  # fmt: skip
         assert maker.stdin is not None and maker.stdout is not None
         maker.stdin.write(json.dumps(args) + "\n")
         maker.stdin.flush()
         printed = maker.stdout.readline()  # its record, printed before the process ends
         made = time.time()
-        if maker.wait(timeout=900) or not printed:
-            raise RuntimeError(f"training.export.delta exited {maker.returncode}: see {work}")
+        if not printed:
+            raise RuntimeError(f"training.export.delta exited {maker.wait(900)}: see {work}")
         record = json.loads(printed)
+        if not record["gate"]["passed"]:
+            raise RuntimeError(f"the evaluated gate refused the delta: {record['gate']}")
+        maker.wait(timeout=900)
         pids = [int(w["pid"]) for r in cluster.replicas
                 for m in manage.describe(r.cfg, model, "1") or [] for w in m["workers"]]  # fmt: skip
         moved = move(folder, [record], pids, 120)
@@ -153,7 +175,7 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
                            "dense_bytes": record["dense_bytes"], "make_s": round(made - t_end, 2),
                            "inside_s": record["seconds"], "served_s": moved["served_s"],
                            "freshness_s": round(t_served - t_end, 2), "calls": calls,
-                           "failed": bad, "workers": len(pids)}  # fmt: skip
+                           "failed": bad, "workers": len(pids), "gate": record["gate"]}  # fmt: skip
         rng = np.random.default_rng(0)
         feats = len(schema["features"]["sparse"])
         b = 256

@@ -263,6 +263,7 @@ LONGEST_FIRST = (
     "training/test_frozen_recipe.py", "training/test_export.py", "loadtest/test_loadtest.py",
     "training/test_portable.py", "loadtest/test_chaos.py", "training/test_multinode.py",
     "serving/test_mapped.py", "serving/test_gateway.py", "serving/test_canary.py",
+    "training/test_continuous_deltas.py",
     "serving/test_scale.py", "training/test_errors.py", "serving/test_failover.py",
     "test_notebook.py", "serving/test_auth.py", "serving/test_portable.py",
     "serving/test_overload.py", "deploy/test_train_job.py", "training/test_model_name.py",

@@ -194,7 +194,12 @@ def stopping_a_replica_fails_nothing_after_one_deadline(r: Replicas) -> None:
     # back in rotation after a probe (every 1 s) once the channel reconnects (backoff
     # capped at 1 s); a loaded CI machine may need some slack
     t_back = load.wait("a back in rotation", lambda c: bool(c[ta] and c[tb]))
-    time.sleep(2)
+    # and kept there: both keep answering (a cold restarted replica is slow at first, and on a
+    # loaded machine its next calls may come seconds later: wait for them, bounded)
+    deadline = time.monotonic() + 60
+    while min(load.window(t_back)[1][t] for t in (ta, tb)) < 5:
+        assert time.monotonic() < deadline, f"a left rotation again: {load.window(t_back)}"
+        time.sleep(0.1)
     t_end = time.monotonic()
     print(
         f"a stopped for {t_restart - t_stop:.1f} s, back {t_back - t_restart:.1f} s after restart"
