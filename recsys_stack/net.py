@@ -6,6 +6,7 @@ import os
 import random
 import socket
 import threading
+from collections.abc import Collection
 
 # Ports this process has handed out. The kernel may give a port back as soon as its probe
 # socket closes, so two calls made before the first caller binds (two TorchServe replicas
@@ -47,9 +48,10 @@ def _bindable(s: socket.socket, host: str, port: int) -> bool:
     return True
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+def free_ports(n: int, host: str = "127.0.0.1", avoid: Collection[int] = ()) -> list[int]:
     """``n`` distinct free TCP ports on ``host`` (held together while chosen, so distinct), none
-    handed out before by this process; from :data:`PORT_RANGE_ENV`'s range when it is set."""
+    handed out before by this process nor in ``avoid`` (ports a config names but nothing has
+    bound yet); from :data:`PORT_RANGE_ENV`'s range when it is set."""
     within = port_range()
     order = iter(random.sample(within, len(within))) if within is not None else None
     socks: list[socket.socket] = []
@@ -71,10 +73,10 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
                             f"no {n} free ports on {host} in {PORT_RANGE_ENV}="
                             f"{within[0]}-{within[-1]}: widen it or stop what holds them"
                         )
-                    if port in _given or not _bindable(s, host, port):
+                    if port in _given or port in avoid or not _bindable(s, host, port):
                         continue
                 port = s.getsockname()[1]
-                if port not in _given:
+                if port not in _given and port not in avoid:
                     ports.append(port)
             _given.update(ports)
             return ports

@@ -177,7 +177,7 @@ def _write_state(workdir: Path, **update: Any) -> None:
 
 def replica_configs(cfg: ServeConfig, schema: Schema, plan_file: Path) -> list[TorchServeConfig]:
     """[torchserve] resolved for each replica: model from the schema, the plan file, and (past
-    the first) free loopback ports and a state folder of its own."""
+    the first) free loopback ports (none the stack names) and a state folder of its own."""
     default_ts_dir = (
         cfg.torchserve.workdir == TorchServeConfig.__dataclass_fields__["workdir"].default
     )
@@ -191,10 +191,11 @@ def replica_configs(cfg: ServeConfig, schema: Schema, plan_file: Path) -> list[T
             plan=str(plan_file),
         )
     )
-    out = [first]
-    for i in range(1, cfg.replicas):
+    out, named = [first], {v for c in (first, cfg.gateway, cfg.gateway.metrics) for k, v in vars(c).items()
+             if k.endswith("port") and isinstance(v, int) and v > 0}  # fmt: skip
+    for i in range(1, cfg.replicas):  # the gateway binds its named ports later
         other = dataclasses.replace(first, workdir=first.workdir.with_name(replica_name(i)))
-        out.append(on_free_ports(other))
+        out.append(on_free_ports(other, avoid=named))
     return out
 
 

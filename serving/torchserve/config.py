@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import zipfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -277,10 +278,10 @@ def properties(cfg: TorchServeConfig) -> dict[str, object]:
     }
 
 
-def on_free_ports(cfg: TorchServeConfig) -> TorchServeConfig:
+def on_free_ports(cfg: TorchServeConfig, avoid: Collection[int] = ()) -> TorchServeConfig:
     """``cfg`` on loopback with its five ports free ones (tests, benchmarks: instances side by
-    side on one machine)."""
-    p = free_ports(5)
+    side on one machine), none of ``avoid`` (ports named elsewhere, not bound yet)."""
+    p = free_ports(5, avoid=avoid)
     return dataclasses.replace(
         cfg, host="127.0.0.1", inference_port=p[0], management_port=p[1], metrics_port=p[2],
         grpc_inference_port=p[3], grpc_management_port=p[4],
