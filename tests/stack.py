@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,7 @@ from serving.worker.codec import to_rows
 
 # Java startup + worker load is ~10 s on a laptop; a 2-core CI box under load needs more.
 STARTUP_TIMEOUT_S = 240
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"mar_file": "dlrm-tiny-1.0.mar", "model_name": "dlrm-tiny", "model_version": "1.0"}
 
 
@@ -47,6 +49,36 @@ def torchserve_config(store: Path, workdir: Path, **overrides: Any) -> TorchServ
     jvm = {"jvm_args": os.environ.get("RECSYS_TS_JVM_ARGS", "")}
     settings = {**MODEL, **jvm, **overrides}
     return on_free_ports(TorchServeConfig(model_store=store, workdir=workdir, **settings))
+
+
+def run_python(
+    module: str, *args: str, env: dict[str, str], timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """``python -m module args`` from the repository, run to its end; its output's tails
+    printed (pytest shows them with a failure)."""
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+def start_supervisor(
+    schema: Path, env: dict[str, str], *args: str, timeout: float = 600
+) -> tuple[subprocess.CompletedProcess[str], int, int]:
+    """``make serve`` as a process: ``python -m serving.tools.supervisor start`` for
+    ``schema``, TorchServe's five ports, the gateway's and its metrics' free ones (``args``:
+    more flags, ``env``: its state folder and model store). (the run, gateway port, metrics
+    port); ``run_python("serving.tools.supervisor", "stop", env=env)`` stops it."""
+    p = free_ports(7)
+    names = ("inference", "management", "metrics", "grpc-inference", "grpc-management")
+    proc = run_python(
+        "serving.tools.supervisor", "start", "--gateway.schema", str(schema), *args,
+        "--gateway.port", str(p[5]), "--gateway.metrics.port", str(p[6]),
+        f"--timeout-s={STARTUP_TIMEOUT_S}",
+        *(a for k, v in zip(names, p[:5], strict=True) for a in (f"--torchserve.{k}-port", str(v))),
+        env=env, timeout=timeout,
+    )  # fmt: skip
+    return proc, p[5], p[6]
 
 
 def start_torchserve(cfg: TorchServeConfig) -> subprocess.Popen[bytes]:

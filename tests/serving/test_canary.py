@@ -13,8 +13,6 @@ import contextlib
 import io
 import json
 import shutil
-import subprocess
-import sys
 import threading
 import time
 import zipfile
@@ -29,7 +27,6 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from recsys_stack.net import free_ports
 from serving import plan as plan_io
 from serving.gateway import metrics
 from serving.gateway.auth import client_token
@@ -40,8 +37,8 @@ from serving.tools.client import build_request
 from serving.tools.supervisor import read_state, replicas
 from serving.torchserve import manage
 from serving.worker.codec import to_rows
-from tests.conftest import ROOT, _env
-from tests.stack import STARTUP_TIMEOUT_S
+from tests.conftest import _env
+from tests.stack import run_python, start_supervisor
 
 MODEL = "dlrm-tiny"
 PASS, FAIL, NOT_JUDGED = Verdict.PASS, Verdict.FAIL, Verdict.NOT_JUDGED
@@ -125,13 +122,6 @@ def broken_archive(good: Path, out: Path, version: str) -> None:
             dst.writestr(item, replaced.get(item.filename) or src.read(item))
 
 
-def _python(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    print(proc.stdout[-3000:], proc.stderr[-3000:])
-    return proc
-
-
 @dataclass
 class Served:
     """``make serve`` of v1.0 with the failing v2.0 in its store, and a caller thread."""
@@ -155,15 +145,9 @@ def serving_with_a_failing_candidate(
     broken_archive(Path(good), store / f"{MODEL}-2.0.mar", "2.0")
     workdir = tmp_path / "serve"
     env = _env({"RECSYS_SERVE_DIR": str(workdir), "RECSYS_MODEL_STORE": str(store)})
-    p = free_ports(7)
-    ts_ports = zip(("inference", "management", "metrics", "grpc-inference", "grpc-management"),
-                   p[:5], strict=True)  # fmt: skip
-    start = _python(
-        "serving.tools.supervisor", "start", "--gateway.schema", str(export / "schema.json"),
-        "--torchserve.workers", "1", "--gateway.port", str(p[5]), "--gateway.metrics.port",
-        str(p[6]), f"--timeout-s={STARTUP_TIMEOUT_S}",
-        *(a for k, v in ts_ports for a in (f"--torchserve.{k}-port", str(v))), env=env,
-    )  # fmt: skip
+    start, gateway_port, metrics_port = start_supervisor(
+        export / "schema.json", env, "--torchserve.workers", "1"
+    )
     stop = threading.Event()
     codes: Counter[str] = Counter()
 
@@ -184,14 +168,14 @@ def serving_with_a_failing_candidate(
     caller = None
     try:
         assert start.returncode == 0, start.stderr
-        target = f"127.0.0.1:{p[5]}"
+        target = f"127.0.0.1:{gateway_port}"
         s = np.load(export / "sample.npz")
         request = build_request(s["dense"][:20], to_rows(s["values"], s["lengths"])[:20])
         token = client_token(str(workdir / "gateway_token"))
         assert token
         caller = threading.Thread(target=traffic, args=(target, request, token), daemon=True)
         caller.start()
-        yield Served(env, workdir, p[6], codes)
+        yield Served(env, workdir, metrics_port, codes)
     except Exception:
         print((workdir / "gateway.log").read_text(errors="replace")[-4000:])
         raise
@@ -199,7 +183,7 @@ def serving_with_a_failing_candidate(
         stop.set()
         if caller is not None:
             caller.join(timeout=30)
-        _python("serving.tools.supervisor", "stop", env=env)
+        run_python("serving.tools.supervisor", "stop", env=env)
 
 
 def _withdrawn(served: Served) -> canary.Outcomes:
@@ -218,7 +202,7 @@ def test_a_candidate_failing_real_requests_is_rolled_back_by_the_error_gate(
 ) -> None:
     with serving_with_a_failing_candidate(exported, tmp_path, pause_s=0.02) as served:
         codes = served.codes
-        ro = _python("serving.tools.rollout", "--version", "2.0", "--no-evaluate",
+        ro = run_python("serving.tools.rollout", "--version", "2.0", "--no-evaluate",
                      "--steps", "50,100", "--dwell-s", "120", "--drain-s", "1",
                      "--error-min-requests", "10", env=served.env)  # fmt: skip
         assert ro.returncode == 1, ro.stderr
@@ -241,7 +225,7 @@ def test_a_failing_candidate_on_too_little_traffic_to_judge_is_refused(
     (20) calls in the step and its extension, every one failing. The gate never judges, so
     the candidate is refused, never promoted."""
     with serving_with_a_failing_candidate(exported, tmp_path, pause_s=1.0) as served:
-        ro = _python("serving.tools.rollout", "--version", "2.0", "--no-evaluate",
+        ro = run_python("serving.tools.rollout", "--version", "2.0", "--no-evaluate",
                      "--steps", "50,100", "--dwell-s", "2", "--judge-timeout-s", "10",
                      "--drain-s", "1", env=served.env)  # fmt: skip
         assert ro.returncode == 1, ro.stderr

@@ -29,14 +29,13 @@ import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
 from loadtest import report
-from recsys_stack.net import free_ports
 from serving import plan as plan_io
 from serving.gateway.auth import client_token
 from serving.tools import canary, evaluate
 from serving.tools.supervisor import read_state, replicas
 from serving.torchserve import manage, process
 from tests.conftest import EXPORT_TINY, ROOT, _env, run_export, run_train
-from tests.stack import STARTUP_TIMEOUT_S
+from tests.stack import STARTUP_TIMEOUT_S, run_python, start_supervisor
 
 MODEL = "dlrm-tiny"
 
@@ -65,13 +64,6 @@ def versions(
     exports["3"] = bad / "export"
     synthetic = Path(data_dirs[1].split("=", 1)[1].strip('"'))
     return store, exports, next(synthetic.glob("*.tsv"))
-
-
-def _python(module: str, *args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    print(proc.stdout[-3000:], proc.stderr[-3000:])
-    return proc
 
 
 @contextlib.contextmanager
@@ -158,20 +150,19 @@ def test_rollout_refusal_restart_and_rollback_under_load(
     store, exports, data = versions
     workdir = tmp_path / "serve"
     env = _env({"RECSYS_SERVE_DIR": str(workdir), "RECSYS_MODEL_STORE": str(store)})
-    p = free_ports(7)
-    ts_ports = dict(zip(("inference", "management", "metrics", "grpc-inference",
-                         "grpc-management"), p[:5], strict=True))  # fmt: skip
-    start = _python(
-        "serving.tools.supervisor", "start", "--gateway.schema", str(exports["1"] / "schema.json"),
-        "--replicas", "2", "--torchserve.workers", "1", "--gateway.port", str(p[5]),
-        "--gateway.metrics.port", str(p[6]), f"--timeout-s={STARTUP_TIMEOUT_S}",
-        *(a for k, v in ts_ports.items() for a in (f"--torchserve.{k}-port", str(v))),
-        env=env,
-    )  # fmt: skip
+    start, gateway_port, metrics_port = start_supervisor(
+        exports["1"] / "schema.json",
+        env,
+        "--replicas",
+        "2",
+        "--torchserve.workers",
+        "1",
+        timeout=300,
+    )
     restarted: subprocess.Popen[bytes] | None = None
     try:
         assert start.returncode == 0, start.stderr
-        target, metrics_at = f"127.0.0.1:{p[5]}", f"127.0.0.1:{p[6]}"
+        target, metrics_at = f"127.0.0.1:{gateway_port}", f"127.0.0.1:{metrics_port}"
         token = client_token(str(workdir / "gateway_token"))
         assert token
         plan_file = Path(read_state(workdir)["plan"])
@@ -278,4 +269,4 @@ def test_rollout_refusal_restart_and_rollback_under_load(
     finally:
         if restarted is not None:
             process.stop(restarted)
-        _python("serving.tools.supervisor", "stop", env=env)
+        run_python("serving.tools.supervisor", "stop", env=env, timeout=300)

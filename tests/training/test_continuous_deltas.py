@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 
 from recsys_model.delta import read_pointer
-from recsys_stack.net import free_ports
 from serving.tools.deltas import acks
 from serving.tools.supervisor import read_state
 from tests.conftest import ROOT, _env
-from tests.stack import STARTUP_TIMEOUT_S
+from tests.stack import run_python, start_supervisor
 from tests.training.test_continuous import copy_days, run_continuous
 from training.metrics.log import read_metrics
 
@@ -31,13 +30,6 @@ pytestmark = pytest.mark.slow
 
 ROWS = 20_000  # a day: 78 steps of the tiny preset's global batch of 256
 MODEL = "dlrm-tiny"
-
-
-def _python(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S + 60)  # fmt: skip
-    print(proc.stdout[-3000:], proc.stderr[-3000:])
-    return proc
 
 
 def test_the_loop_publishes_a_gated_delta_that_every_worker_serves(tmp_path: Path) -> None:
@@ -61,15 +53,15 @@ def test_the_loop_publishes_a_gated_delta_that_every_worker_serves(tmp_path: Pat
     assert schema["model"]["version"] == version
 
     env = _env({"RECSYS_SERVE_DIR": str(serve), "RECSYS_MODEL_STORE": str(store)})
-    p = free_ports(7)
-    names = ("inference", "management", "metrics", "grpc-inference", "grpc-management")
-    started = _python(
-        "serving.tools.supervisor", "start", "--gateway.schema", str(run / "export" / "schema.json"),
-        "--replicas", "1", "--torchserve.workers", "2", "--gateway.port", str(p[5]),
-        "--gateway.metrics.port", str(p[6]), f"--timeout-s={STARTUP_TIMEOUT_S}",
-        *(a for k, v in zip(names, p[:5], strict=True) for a in (f"--torchserve.{k}-port", str(v))),
-        env=env,
-    )  # fmt: skip
+    started, _, _ = start_supervisor(
+        run / "export" / "schema.json",
+        env,
+        "--replicas",
+        "1",
+        "--torchserve.workers",
+        "2",
+        timeout=300,
+    )
     try:
         assert started.returncode == 0, started.stderr
         assert read_state(serve)["plan"]
@@ -88,7 +80,7 @@ def test_the_loop_publishes_a_gated_delta_that_every_worker_serves(tmp_path: Pat
         pids = [int(f.stem) for f in (folder / "acks").glob("*.json")]
         assert len(pids) == 2 and all(a["version"] == label for a in acks(folder, pids).values())
 
-        back = _python("serving.tools.deltas", "rollback", "--workdir", str(serve), env=env)
+        back = run_python("serving.tools.deltas", "rollback", "--workdir", str(serve), env=env)
         assert back.returncode == 0, back.stderr
         record = json.loads(back.stdout.strip().splitlines()[-1])
         assert (
@@ -98,4 +90,4 @@ def test_the_loop_publishes_a_gated_delta_that_every_worker_serves(tmp_path: Pat
         )
         assert all(a["version"] == "" for a in acks(folder, pids).values())
     finally:
-        _python("serving.tools.supervisor", "stop", env=env)
+        run_python("serving.tools.supervisor", "stop", env=env)
