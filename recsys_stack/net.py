@@ -48,6 +48,13 @@ def _bindable(s: socket.socket, host: str, port: int) -> bool:
     return True
 
 
+def named_ports(*configs: object) -> set[int]:
+    """The ports ``configs`` (dataclass instances) name: each ``*port`` field set above 0 (the
+    ``avoid`` of :func:`free_ports` while those are not bound yet)."""
+    return {v for c in configs for k, v in vars(c).items()
+            if k.endswith("port") and isinstance(v, int) and v > 0}  # fmt: skip
+
+
 def free_ports(n: int, host: str = "127.0.0.1", avoid: Collection[int] = ()) -> list[int]:
     """``n`` distinct free TCP ports on ``host`` (held together while chosen, so distinct), none
     handed out before by this process nor in ``avoid`` (ports a config names but nothing has

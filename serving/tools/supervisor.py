@@ -41,6 +41,7 @@ from recsys_stack.config import (
     from_args,
     to_dict,
 )
+from recsys_stack.net import named_ports
 from serving import plan as plan_io
 from serving.gateway.auth import AuthError, write_token_file
 from serving.gateway.config import TOKEN_FILE_NAME, ChannelConfig, GatewayConfig
@@ -191,8 +192,7 @@ def replica_configs(cfg: ServeConfig, schema: Schema, plan_file: Path) -> list[T
             plan=str(plan_file),
         )
     )
-    out, named = [first], {v for c in (first, cfg.gateway, cfg.gateway.metrics) for k, v in vars(c).items()
-             if k.endswith("port") and isinstance(v, int) and v > 0}  # fmt: skip
+    out, named = [first], named_ports(first, cfg.gateway, cfg.gateway.metrics)
     for i in range(1, cfg.replicas):  # the gateway binds its named ports later
         other = dataclasses.replace(first, workdir=first.workdir.with_name(replica_name(i)))
         out.append(on_free_ports(other, avoid=named))

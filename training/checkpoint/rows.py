@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from training.errors import CheckpointError
 
@@ -84,12 +84,17 @@ def _data_offset(f: Any, offset: int, length: int, nbytes: int) -> int | None:
     return offset + data[0].header_offset + 30 + name_len + extra_len
 
 
+def read_metadata(ckpt: Path) -> Metadata:
+    """DCP's metadata of ``ckpt`` (every table's chunks and where they lie): read it once for a
+    pass over several tables."""
+    return FileSystemReader(str(ckpt)).read_metadata()
+
+
 class TableRows:
     """One 2-D tensor of a checkpoint (``key``), read by row ranges without DCP's copies."""
 
-    def __init__(self, ckpt: Path, key: str) -> None:
-        reader = FileSystemReader(str(ckpt))
-        meta = reader.read_metadata()
+    def __init__(self, ckpt: Path, key: str, meta: Metadata | None = None) -> None:
+        meta = meta or read_metadata(ckpt)
         md = meta.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata) or len(md.size) != 2:
             raise CheckpointError(f"checkpoint {ckpt} lacks the table '{key}'")
@@ -156,11 +161,12 @@ def pread_into(f: Any, out: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def table_rows(
-    ckpt: Path, key: str, block_bytes: int = BLOCK_BYTES
+    ckpt: Path, key: str, block_bytes: int = BLOCK_BYTES, meta: Metadata | None = None
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(first row, rows)`` blocks of the table ``key`` of ``ckpt``, in order. Each block is a
-    view of one reused buffer: valid until the next is yielded (copy what you keep)."""
-    table = TableRows(ckpt, key)
+    """``(first row, rows)`` blocks of the table ``key`` of ``ckpt``, in order (``meta``: its
+    :func:`read_metadata`, read here when not given). Each block is a view of one reused
+    buffer: valid until the next is yielded (copy what you keep)."""
+    table = TableRows(ckpt, key, meta)
     if not table.direct:  # the old way, whole: same rows
         whole = torch.empty(table.rows, table.dim, dtype=table.dtype)
         dcp.load({key: whole}, checkpoint_id=str(ckpt), no_dist=True)

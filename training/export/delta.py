@@ -37,7 +37,7 @@ from recsys_model.delta import (
     write_delta,
 )
 from recsys_model.mapped import load_mapped, pack, row_bytes
-from training.checkpoint.rows import pread_into, table_rows
+from training.checkpoint.rows import pread_into, read_metadata, table_rows
 from training.export.portable import EBC
 from training.export.scorer import CHECKPOINT_PREFIX
 from training.export.stream import dense_scorer, mapped_name
@@ -71,13 +71,13 @@ def changed_rows(
     file with ``ref`` over it. Read in blocks of rows into reused buffers (the checkpoint's
     rows by :func:`table_rows`, the base's by ``pread``): the tables are read once, no table
     is ever whole in memory, and no fresh memory is faulted in per table."""
-    width = row_bytes(base.dim, fmt)
+    width, meta = row_bytes(base.dim, fmt), read_metadata(ckpt)
     ids, packed, start = [], [], 0
     old = torch.empty(0, width, dtype=torch.uint8)
     with open(base.tables_path, "rb") as served:  # a uniform file: the tables back to back
         for feature, n in zip(SPARSE_NAMES, base.spec["rows"], strict=True):
             key = f"{CHECKPOINT_PREFIX}{EBC}.{table_name(feature)}.weight"
-            for first, block in table_rows(ckpt, key):
+            for first, block in table_rows(ckpt, key, meta=meta):
                 new, at = pack(block, fmt), start + first
                 if old.shape[0] < new.shape[0]:
                     old = torch.empty(new.shape[0], width, dtype=torch.uint8)
