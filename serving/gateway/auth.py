@@ -4,8 +4,10 @@ The token file (:func:`write_token_file` makes one: ``make serve``, compose's in
 UTF-8 text, one token per line; blank lines are ignored and a word that starts with ``#``
 starts a comment to the end of the line, alone on its line or after a token and whitespace
 (``<token>  # issued 2026-12``; a ``#`` inside a token is part of it). A token is printable and
-has no whitespace: a line of two words, or a control character, makes the whole file
-unparsable (never half-read).
+has no whitespace; after it a line may name the token's tenant and its weight
+(``<token>  tenant=ads  weight=2``: serving/gateway/tenants.py; the gateway shares the backends
+across tenants by weight, serving/gateway/fair.py). Any other word, or a control character,
+makes the whole file unparsable (never half-read).
 
 - :class:`TokenFile`: the accepted tokens are those of the file's last read. It is read again
   when it changes (serving/gateway/watched.py: inode, size, times and content, so a same-size
@@ -13,13 +15,18 @@ unparsable (never half-read).
   a token is added or revoked by editing the file, without a restart. **Fail closed**: at start
   a file that cannot be used stops the gateway (one line, exit 2); while it runs, an emptied,
   deleted, unreadable or unparsable file accepts no token: every call ends UNAUTHENTICATED
-  saying what is wrong with the file, health is NOT_SERVING and
-  ``recsys_gateway_auth_token_file_ok`` is 0, until the file is fixed. The last good tokens are
-  never kept (the edit may be a revocation). Serving without tokens is a config choice only (no
+  (the log says what is wrong with the file; callers, who may have no token, are told only
+  that it cannot be used), health is NOT_SERVING and ``recsys_gateway_auth_token_file_ok`` is
+  0, until the file is fixed. The last good tokens are not kept then (the edit may be a
+  revocation) - except after a *transient* failure to read it (:data:`TRANSIENT`: out of
+  descriptors, memory, interrupted), which says nothing of the file: the last good tokens stay
+  and the file is read again at the next look. Serving without tokens is a config choice only (no
   ``auth.token_file``), never the result of what the file holds. Tokens are kept as SHA-256
   digests and a presented token is compared with :func:`hmac.compare_digest` against each.
 - :class:`AuthInterceptor`: a ``grpc.aio`` server interceptor; a call without
-  ``authorization: Bearer <token>`` of the file ends UNAUTHENTICATED before the servicer runs.
+  ``authorization: Bearer <token>`` of the file ends UNAUTHENTICATED before the servicer runs
+  (and before its request is read), at once within its peer's :class:`PeerLimit`, after a
+  delay past it.
   Health is open unless ``auth.protect_health``; reflection is protected (it lists services).
 - :func:`server_credentials`: TLS (``cert`` + ``key``) or mutual TLS (+ ``client_ca``).
 - :func:`check_exposure`: the gateway refuses to start on a non-loopback host with no token
@@ -33,6 +40,8 @@ unparsable (never half-read).
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import hashlib
 import hmac
 import ipaddress
@@ -41,7 +50,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,47 +58,86 @@ import grpc
 
 from serving.gateway.config import TOKEN_FILE_ENV, TOKEN_FILE_NAME, AuthConfig, TlsConfig
 from serving.gateway.rpc import HandlerInterceptor
+from serving.gateway.tenants import DEFAULT, Tenant, check_consistent, parse_settings
 from serving.gateway.watched import WatchedFile
 
 logger = logging.getLogger("serving.gateway.auth")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 RECHECK_S = 1.0  # how often the token file is looked at, at most
+TRANSIENT_LOG_S = 10.0  # a transient failure to read the token file is logged this often at most
+MAX_PEERS = 65536  # peers whose buckets are kept before the full ones are forgotten
+# what a caller is told while the token file cannot be used (the log names the file and why)
+UNUSABLE = (
+    "the gateway's token file cannot be used: every call is refused until its operator fixes "
+    "it (the gateway's log says why)"
+)
 
 
 class AuthError(ValueError):
     """The token file or the TLS files cannot be used (one line, names the file)."""
 
 
-def parse_tokens(text: str, where: str) -> list[str]:
-    """The tokens of a token file's ``text`` (format: the module docstring); AuthError naming
-    ``where`` and the line, never the token, when a line is not one token."""
-    tokens = []
+class TransientAuthError(AuthError):
+    """The token file could not be read for a reason that says nothing of its content (no
+    descriptor left, no memory, interrupted): the last good tokens stay in force."""
+
+
+# errors of reading a file that are the process's or the machine's state, not the file's
+TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.EINTR, errno.EAGAIN, errno.ENOMEM,
+                       errno.ENOBUFS, errno.EIO})  # fmt: skip
+
+
+def parse_entries(text: str, where: str) -> list[tuple[str, Tenant]]:
+    """The tokens of a token file's ``text`` with their tenants (format: the module docstring);
+    AuthError naming ``where`` and the line, never the token, when a line is not one token and
+    its settings."""
+    entries: list[tuple[str, Tenant]] = []
+    lines: list[tuple[Tenant, str]] = []
     for n, line in enumerate(text.splitlines(), 1):
         words = line.split()
         words = words[: next((i for i, w in enumerate(words) if w.startswith("#")), len(words))]
-        if len(words) > 1:
-            raise AuthError(
-                f"{where}: line {n}: more than one word (one token per line; a comment starts "
-                "with '#' after whitespace)"
-            )
-        if words and not words[0].isprintable():
-            raise AuthError(f"{where}: line {n}: control characters in the token")
-        tokens += words
-    if not tokens:
+        if not words:
+            continue
+        if not all(w.isprintable() for w in words):
+            raise AuthError(f"{where}: line {n}: control characters in the line")
+        try:
+            tenant = parse_settings(words[0], words[1:], f"{where}: line {n}")
+        except ValueError as e:
+            raise AuthError(str(e)) from None
+        entries.append((words[0], tenant))
+        lines.append((tenant, f"line {n}"))
+    if not entries:
         raise AuthError(f"{where}: no token in it (one per line)")
-    return tokens
+    try:
+        check_consistent(lines)
+    except ValueError as e:
+        raise AuthError(f"{where}: {e}") from None
+    return entries
 
 
-def read_tokens(path: Path) -> list[str]:
-    """The tokens of the file ``path``; AuthError when it cannot be read or parsed or has none."""
+def parse_tokens(text: str, where: str) -> list[str]:
+    """The tokens of a token file's ``text`` (:func:`parse_entries` without the tenants)."""
+    return [token for token, _ in parse_entries(text, where)]
+
+
+def read_entries(path: Path) -> list[tuple[str, Tenant]]:
+    """The tokens of the file ``path`` and their tenants; AuthError when it cannot be read or
+    parsed or has none (:class:`TransientAuthError` when the failure says nothing of the file:
+    out of descriptors or memory, interrupted)."""
     where = f"auth.token_file {path}"
     try:
         text = Path(path).read_bytes().decode()
     except OSError as e:
-        raise AuthError(f"{where}: {e.strerror or e}") from None
+        error = TransientAuthError if e.errno in TRANSIENT else AuthError
+        raise error(f"{where}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise AuthError(f"{where}: not UTF-8 text") from None
-    return parse_tokens(text, where)
+    return parse_entries(text, where)
+
+
+def read_tokens(path: Path) -> list[str]:
+    """The tokens of the file ``path``; AuthError when it cannot be read or parsed or has none."""
+    return [token for token, _ in read_entries(path)]
 
 
 def _digest(token: bytes) -> bytes:
@@ -105,19 +153,21 @@ def _report(path: str, ok: bool) -> None:
 
 
 class TokenFile:
-    """The tokens of the file's last read, read again when it changes; none while the file
-    cannot be used (:attr:`problem` says why)."""
+    """The tokens of the file's last read and their tenants, read again when it changes; none
+    while the file cannot be used (:attr:`problem` says why)."""
 
     def __init__(self, path: Path, recheck_s: float = RECHECK_S) -> None:
         self.path = Path(path)
         self.recheck_s = recheck_s
         self.problem = ""
-        """Why no token is accepted ("" = the file's tokens are in force)."""
+        """Why no token is accepted ("" = the file's tokens are in force); for the log and
+        health, never for callers (it names the file)."""
         self._file = WatchedFile(self.path)
         self._file.mark()
-        self._digests = [_digest(t.encode()) for t in read_tokens(self.path)]  # or not started
+        self._digests = _digests(read_entries(self.path))  # or not started
         self._label = os.path.abspath(self.path)  # the metric's (not resolved: a rotated link)
         self._next_check = time.monotonic() + recheck_s
+        self._transient_said = 0.0
         _report(self._label, ok=True)
 
     def refresh(self) -> str:
@@ -133,7 +183,16 @@ class TokenFile:
     def _reload(self) -> None:
         self._file.mark()  # before reading: a write meanwhile is seen by the next look
         try:
-            tokens = read_tokens(self.path)
+            entries = read_entries(self.path)
+        except TransientAuthError as e:
+            # not a verdict on the file (1,100 idle connections used every descriptor, and
+            # every valid call was refused): keep the last good tokens, read again next look
+            self._file.forget()
+            now = time.monotonic()
+            if now - self._transient_said >= TRANSIENT_LOG_S:
+                self._transient_said = now
+                logger.warning("%s: keeping the tokens of its last read, trying again", e)
+            return
         except AuthError as e:
             self._digests = []  # fail closed: the edit that broke the file may be a revocation
             self.problem = (
@@ -143,22 +202,92 @@ class TokenFile:
             logger.error("%s", self.problem)
             _report(self._label, ok=False)
             return
-        self._digests = [_digest(t.encode()) for t in tokens]
+        self._digests = _digests(entries)
         logger.info(
-            "auth: re-read %s (%d tokens)%s", self.path, len(tokens),
-            "; calls are accepted again" if self.problem else "",
+            "auth: re-read %s (%d tokens, %d tenants)%s", self.path, len(entries),
+            len({t.name for _, t in entries}), "; calls are accepted again" if self.problem else "",
         )  # fmt: skip
         self.problem = ""
         _report(self._label, ok=True)
 
-    def accepts(self, token: bytes) -> bool:
-        """True when ``token`` is one of the file's (constant time per stored token)."""
+    def tenant_of(self, token: bytes) -> Tenant | None:
+        """The tenant of ``token`` if it is one of the file's, else None (constant time per
+        stored token: every digest is compared, whichever matches)."""
         self.refresh()
         d = _digest(token)
-        ok = False
-        for stored in self._digests:  # no early exit: time does not say which one matched
-            ok |= hmac.compare_digest(d, stored)
+        found = None
+        for stored, tenant in self._digests:  # no early exit: time does not say which matched
+            if hmac.compare_digest(d, stored):
+                found = tenant
+        return found
+
+    def accepts(self, token: bytes) -> bool:
+        """True when ``token`` is one of the file's."""
+        return self.tenant_of(token) is not None
+
+    def identify(self, metadata: Sequence[tuple[str, Any]] | None) -> Tenant:
+        """The tenant of a call's ``authorization`` metadata (calls reaching the door passed
+        auth; one whose token was revoked in between is :data:`tenants.DEFAULT`'s)."""
+        token = bearer_token(metadata)
+        return (self.tenant_of(token) if token is not None else None) or DEFAULT
+
+
+def _digests(entries: list[tuple[str, Tenant]]) -> list[tuple[bytes, Tenant]]:
+    return [(_digest(token.encode()), tenant) for token, tenant in entries]
+
+
+class PeerLimit:
+    """A token bucket per peer address for calls without an accepted token.
+
+    Within its bucket a peer's refusal is immediate (a client with a wrong token learns it at
+    once); past it the refusal is answered after ``delay_s`` (a tarpit: 64 loops of such calls
+    cut another client's calls by 54% when each was answered at once; a delayed answer holds a
+    loop for ``delay_s``, so they make ~64 calls a second instead of thousands). At most
+    ``max_delayed`` answers wait at once (more are answered at once: the tarpit cannot be made
+    to hold memory)."""
+
+    def __init__(self, rate: float, burst: float, delay_s: float, max_delayed: int = 4096) -> None:
+        self.rate, self.burst, self.delay_s, self.max_delayed = rate, burst, delay_s, max_delayed
+        self.buckets: dict[str, tuple[float, float]] = {}
+        self.delayed = 0
+
+    def allow(self, peer: str, now: float | None = None) -> bool:
+        """Take a token of ``peer``'s bucket: False when it is empty."""
+        now = time.monotonic() if now is None else now
+        level, at = self.buckets.get(peer, (self.burst, now))
+        level = min(self.burst, level + (now - at) * self.rate)
+        ok = level >= 1.0
+        self.buckets[peer] = (level - 1.0 if ok else level, now)
+        if len(self.buckets) > MAX_PEERS:  # forget the peers whose buckets have refilled
+            full = now - self.burst / self.rate if self.rate else now
+            self.buckets = {p: v for p, v in self.buckets.items() if v[1] > full}
         return ok
+
+    async def refuse(self, peer: str) -> str:
+        """Wait as :class:`PeerLimit` says for a call of ``peer`` to be refused; "" when it is
+        within its bucket, else the refusal's text."""
+        if self.allow(peer):
+            return ""
+        if self.delayed < self.max_delayed and self.delay_s > 0:
+            self.delayed += 1
+            try:
+                await asyncio.sleep(self.delay_s)
+            finally:
+                self.delayed -= 1
+        return (
+            f"too many calls without an accepted token from {peer} (more than {self.rate:g} a "
+            "second): send 'authorization: Bearer <token>' with a valid token"
+        )
+
+
+def peer_host(peer: str) -> str:
+    """The address of a grpc ``context.peer()`` (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``) or an
+    aiohttp ``request.remote``, without the port."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        host, _, _ = rest.rpartition(":")
+        return host.strip("[]") or rest
+    return peer
 
 
 def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
@@ -171,17 +300,21 @@ def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
     return None
 
 
-def _denier(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED."""
+def _denier(
+    handler: grpc.RpcMethodHandler, message: str, limit: PeerLimit | None = None
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED (after the
+    peer's :class:`PeerLimit`, when given: RESOURCE_EXHAUSTED past its bucket)."""
     from serving.gateway import metrics  # the gateway's side only (see _report)
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         metrics.rejected("unauthenticated")
+        if limit is not None and (limited := await limit.refuse(peer_host(context.peer()))):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, limited)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        metrics.rejected("unauthenticated")
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await unary(request, context)
         yield  # pragma: no cover  (makes this an async generator)
 
     des, ser = handler.request_deserializer, handler.response_serializer
@@ -189,18 +322,22 @@ def _denier(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
         return grpc.unary_unary_rpc_method_handler(unary, des, ser)
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(stream, des, ser)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary, des, ser)
-    return grpc.stream_stream_rpc_method_handler(stream, des, ser)
+    if handler.stream_unary:  # the request is never read: refused before its upload
+        return grpc.stream_unary_rpc_method_handler(unary, None, ser)
+    return grpc.stream_stream_rpc_method_handler(stream, None, ser)
 
 
 class AuthInterceptor(HandlerInterceptor):
     """UNAUTHENTICATED for a call without a token of ``tokens`` (health open unless
-    ``protect_health``). Per call: one metadata scan, one SHA-256, one compare per token."""
+    ``protect_health``), rate-limited per peer (``limit``). Per call: one metadata scan, one
+    SHA-256, one compare per token."""
 
-    def __init__(self, tokens: TokenFile, protect_health: bool = False) -> None:
+    def __init__(
+        self, tokens: TokenFile, protect_health: bool = False, limit: PeerLimit | None = None
+    ) -> None:
         self.tokens = tokens
         self.protect_health = protect_health
+        self.limit = limit
         self._deniers: dict[tuple[str, str], grpc.RpcMethodHandler] = {}
 
     def apply(self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler) -> Any:
@@ -213,17 +350,21 @@ class AuthInterceptor(HandlerInterceptor):
         token = bearer_token(details.invocation_metadata)
         if token is not None and self.tokens.accepts(token):
             return handler
-        if problem := self.tokens.refresh():  # no token can be accepted: say why
-            return _denier(handler, problem)  # not cached: its text changes with the file
-        why = "no bearer token" if token is None else "the bearer token is not accepted"
+        if self.tokens.refresh():  # no token can be accepted: the log says why, not the caller
+            why, limit = UNUSABLE, None
+        else:
+            why = "no bearer token" if token is None else "the bearer token is not accepted"
+            why += ": send 'authorization: Bearer <token>' with a token of the gateway's "
+            why += "auth.token_file"
+            limit = self.limit
         key = (method, why)  # the message is part of the handler: one per method and reason
         denier = self._deniers.get(key)
         if denier is None:
-            denier = self._deniers[key] = _denier(
-                handler, f"{why}: send 'authorization: Bearer <token>' with a token of the "
-                "gateway's auth.token_file",
-            )  # fmt: skip
+            denier = self._deniers[key] = _denier(handler, why, limit)
         return denier
+
+    def identify(self, metadata: Sequence[tuple[str, Any]] | None) -> Tenant:
+        return self.tokens.identify(metadata)
 
 
 def refusal(gate: Sequence[HandlerInterceptor]) -> str:
@@ -282,7 +423,19 @@ def interceptors(auth: AuthConfig) -> list[HandlerInterceptor]:
     """The auth interceptor when a token file is configured (raises AuthError if unusable)."""
     if not auth.token_file:
         return []
-    return [AuthInterceptor(TokenFile(Path(auth.token_file)), auth.protect_health)]
+    limit = PeerLimit(
+        auth.unauthenticated_rate, auth.unauthenticated_burst, auth.unauthenticated_delay_s
+    )
+    return [AuthInterceptor(TokenFile(Path(auth.token_file)), auth.protect_health, limit)]
+
+
+def identifier(gate: Sequence[HandlerInterceptor]) -> Callable[[Any], Tenant]:
+    """Who a call is (its tenant) from its metadata: the auth interceptor of ``gate`` knows;
+    without one every call is :data:`tenants.DEFAULT`."""
+    for interceptor in gate:
+        if isinstance(interceptor, AuthInterceptor):
+            return interceptor.identify
+    return lambda metadata: DEFAULT
 
 
 # --- client side -----------------------------------------------------------------------------

@@ -99,6 +99,21 @@ class AuthConfig:
     protect_health: bool = False
     """Require a token for ``grpc.health.v1`` too (off: probes need no secret). Reflection
     always requires one when a token file is set (it describes the services)."""
+    unauthenticated_rate: float = 10.0
+    """Calls without an accepted token each peer address may make per second (a token bucket
+    of ``unauthenticated_burst``), each refused at once with UNAUTHENTICATED; past it they are
+    refused with RESOURCE_EXHAUSTED after ``unauthenticated_delay_s``."""
+    unauthenticated_burst: float = 20.0
+    """The bucket's size: refusals a peer may get at once before the rate applies."""
+    unauthenticated_delay_s: float = 1.0
+    """How long a refusal past the peer's bucket waits before it is answered (a client that
+    loops on refusals then makes one call per loop per this many seconds); 0 = no wait."""
+
+    def __post_init__(self) -> None:
+        if min(self.unauthenticated_rate, self.unauthenticated_burst - 1) < 0:
+            raise ValueError("auth.unauthenticated_rate must be >= 0 and _burst >= 1")
+        if not 0 <= self.unauthenticated_delay_s <= 60:
+            raise ValueError("auth.unauthenticated_delay_s must be in [0, 60]")
 
 
 @dataclass

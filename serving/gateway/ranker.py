@@ -72,9 +72,10 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         self.admission = Admission(
             lim.max_inflight_examples,
             lim.max_inflight_ids,
-            prior_examples=lim.max_examples,
             hold_s=lim.door_hold_s,
             read_timeout_s=lim.read_timeout_s,
+            queue_cost=lim.tenant_queue_share,
+            queue_calls=lim.tenant_queue_calls,
         )
 
     @property
@@ -171,7 +172,8 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         examples = int(arrays[0].shape[0])
         metrics.examples(examples)
         ids = int(arrays[1].size)
-        self.admission.admit(examples, time_remaining, ids)  # ScoreError: refused at once
+        # ScoreError: refused at once, or after waiting for the tenant's share
+        await self.admission.admit(examples, time_remaining, ids)
         error: ScoreError | None = None  # the version's failure: counted by status code
         try:
             if self.cfg.coalesce.enabled:

@@ -41,9 +41,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from aiohttp import hdrs, web
 
-from serving.gateway import metrics
-from serving.gateway.admission import wait_at_door
-from serving.gateway.auth import AuthInterceptor, bearer_token
+from serving.gateway import metrics, tenants
+from serving.gateway.auth import UNUSABLE, AuthInterceptor, bearer_token
 from serving.gateway.errors import ScoreError
 from serving.gateway.kserve import OUTPUT, SCORES, Model, Scored
 from serving.gateway.kserve_json import HEADER_LENGTH, Infer, decoded
@@ -82,13 +81,6 @@ class HttpError(Exception):
         return cls(status, e.code, e.message, **retry)
 
 
-class _Door:
-    """The admission door's refusal (:func:`wait_at_door`) as an exception."""
-
-    async def abort(self, code: grpc.StatusCode, message: str) -> None:
-        raise ScoreError(code, message)
-
-
 def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(
         body=json.dumps(doc).encode(), status=status, content_type="application/json",
@@ -111,6 +103,7 @@ class Rest:
         gate = [g for g in auth_gate if isinstance(g, AuthInterceptor)]
         self.tokens = gate[0].tokens if gate else None
         self.protect_health = bool(gate and gate[0].protect_health)
+        self.limit = gate[0].limit if gate else None
         self._counted: dict[tuple[str, str], Any] = {}
 
     def app(self) -> web.Application:
@@ -147,7 +140,7 @@ class Rest:
         code = grpc.StatusCode.UNKNOWN
         try:
             try:
-                self._authorize(request)
+                await self._authorize(request)
                 response = await handler(request)
                 code = grpc.StatusCode.OK if response.status < 400 else grpc.StatusCode.UNAVAILABLE
                 return response
@@ -179,18 +172,28 @@ class Rest:
         if token is not None and self.tokens.accepts(token):
             return None
         challenge = {"WWW-Authenticate": 'Bearer realm="recsys-gateway"'}
-        if problem := self.tokens.refresh():  # no token can be accepted: say why
-            return HttpError(401, grpc.StatusCode.UNAUTHENTICATED, problem, **challenge)
+        if self.tokens.refresh():  # no token can be accepted: the log says why, not the caller
+            return HttpError(401, grpc.StatusCode.UNAUTHENTICATED, UNUSABLE, **challenge)
         why = "no bearer token" if token is None else "the bearer token is not accepted"
         return HttpError(
             401, grpc.StatusCode.UNAUTHENTICATED, f"{why}: send 'Authorization: Bearer "
             "<token>' with a token of the gateway's auth.token_file", **challenge,
         )  # fmt: skip
 
-    def _authorize(self, request: web.Request) -> None:
+    async def _authorize(self, request: web.Request) -> None:
         if (refused := self._refusal(request)) is not None:
             metrics.rejected("unauthenticated")
+            limit = self.limit if refused.message != UNUSABLE else None  # per peer, as gRPC
+            if limit is not None and (limited := await limit.refuse(request.remote or "")):
+                raise HttpError(429, grpc.StatusCode.RESOURCE_EXHAUSTED, limited,
+                                **{"Retry-After": "1", "Connection": "close"})  # fmt: skip
             raise refused
+
+    def _tenant(self, request: web.Request) -> tenants.Tenant:
+        if self.tokens is None:
+            return tenants.DEFAULT
+        header = request.headers.get(hdrs.AUTHORIZATION)
+        return self.tokens.identify([("authorization", header)] if header is not None else [])
 
     def _too_large(self, request: web.Request) -> HttpError | None:
         n, limit = request.content_length, self.limits.max_request_bytes
@@ -239,9 +242,11 @@ class Rest:
             model.version(name, version)  # NOT_FOUND, before the body is read
         if (too_large := self._too_large(request)) is not None:
             raise too_large  # the body stays unread (lingering_time 0: the connection closes)
-        if admission.door_full():
-            await wait_at_door(admission, _Door())  # type: ignore[arg-type]
-        place = admission.enter()
+        tenant = self._tenant(request)
+        if admission.door_full(tenant):
+            raise admission.door_refusal(tenant)  # the body stays unread
+        who = tenants.enter(tenant)  # this task serves the tenant's call to its end
+        place = admission.enter(tenant)
         try:
             wait = self.limits.read_timeout_s
             try:
@@ -270,6 +275,7 @@ class Rest:
             scored = await model.score(arrays, version, parsed.time_remaining)
         finally:
             admission.leave(place)
+            tenants.leave(who)
         return self._reply(name, parsed, scored)
 
     def _reply(self, name: str, infer: Infer, scored: Scored) -> web.Response:

@@ -23,9 +23,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from recsys_stack.config import ConfigError, parse
-from serving.gateway import kserve, metrics, rest
+from serving.gateway import kserve, metrics, rest, tenant_metrics
 from serving.gateway.admission import AdmissionInterceptor
-from serving.gateway.auth import AuthError, check_exposure, refusal, server_credentials
+from serving.gateway.auth import AuthError, check_exposure, identifier, refusal, server_credentials
 from serving.gateway.auth import interceptors as auth_interceptors
 from serving.gateway.backends import BackendPool
 from serving.gateway.config import GatewayConfig
@@ -161,10 +161,11 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     ranker = Ranker(cfg, schema, pool, plan)
     apply_plan(ranker, plan)
     scoring = (f"/{SERVICE}/Score", f"/{kserve.SERVICE}/ModelInfer")
-    admission = AdmissionInterceptor(ranker.admission, scoring)
     # metrics outermost: refused calls are counted with their code too; admission after auth:
     # an unauthenticated caller learns nothing about the load. One chain: one level per call
     auth_gate = auth_interceptors(cfg.auth)
+    admission = AdmissionInterceptor(ranker.admission, scoring, identifier(auth_gate))
+    tenant_metrics.register(m.registry, ranker.admission.fair)
     routes = Routes(Chain(metrics.MetricsInterceptor(m), *auth_gate, admission))
     server = grpc.aio.server(options=options)  # no interceptors: routes applies the chain
     m.track_in_flight(lambda: ranker.in_flight)

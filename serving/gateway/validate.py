@@ -41,16 +41,24 @@ class Limits:
     max_request_bytes: int = 4 << 20
     """Largest serialized request, in bytes (the gRPC message limit is twice this)."""
     max_inflight_examples: int = 16384
-    """Most examples the gateway holds at once (queued or being scored); a request beyond it
-    is refused at once with RESOURCE_EXHAUSTED (overload is refused fast, not queued)."""
+    """Most examples being scored at once (all tenants): the budget that weighted fair queuing
+    shares across tenants (serving/gateway/fair.py). A request beyond it waits in its tenant's
+    queue for its share; with nothing in flight any request within the per-request limits is
+    admitted."""
     max_inflight_ids: int = 4 << 20
-    """Most sparse ids the gateway holds at once: the work of a request grows with its ids, not
-    only its examples (1,000 examples x 26 features x 64 ids = 1.66M ids; x 1 id = 26k). A
-    request beyond it is refused like one beyond ``max_inflight_examples``; with nothing in
-    flight any request within the per-request limits is admitted."""
+    """Most sparse ids being scored at once: the work of a request grows with its ids, not only
+    its examples (1,000 examples x 26 features x 64 ids = 1.66M ids; x 1 id = 26k). A request's
+    cost is the larger of its fractions of this budget and of ``max_inflight_examples``."""
+    tenant_queue_share: float = 1.0
+    """How much work one tenant may have waiting for its share, as a fraction of the budgets
+    (1.0: one budget's worth); a request beyond it is refused with RESOURCE_EXHAUSTED naming
+    the tenant (only that tenant's calls are refused)."""
+    tenant_queue_calls: int = 256
+    """Most requests one tenant may have waiting for its share."""
     door_hold_s: float = 1.0
-    """How long a call whose request is still arriving holds a place in the budgets (as the
-    largest recent request); then its place lapses, so idle streams cannot hold the budget."""
+    """How long a call whose request is still arriving holds a place in its tenant's queue (as
+    the tenant's largest recent request); then its place lapses, so idle streams cannot hold
+    the queue."""
     read_timeout_s: float = 10.0
     """A call that has not sent its request this many seconds after it started ends with
     DEADLINE_EXCEEDED (it frees its stream)."""
@@ -58,6 +66,8 @@ class Limits:
     def __post_init__(self) -> None:
         if not (self.door_hold_s > 0 and self.read_timeout_s > 0):
             raise ValueError("limits.door_hold_s and limits.read_timeout_s must be > 0")
+        if not (self.tenant_queue_share > 0 and self.tenant_queue_calls >= 1):
+            raise ValueError("limits.tenant_queue_share must be > 0, tenant_queue_calls >= 1")
 
 
 @dataclass(frozen=True)

@@ -73,3 +73,8 @@ class WatchedFile:
         """Remember the file as it is now (call it just before reading the file)."""
         self._seen = identity(self.path, self.content_limit)
         self._marked = True
+
+    def forget(self) -> None:
+        """Take the last read back (it failed for a reason that says nothing of the file):
+        the next :meth:`changed` is True, so the file is read again."""
+        self._marked = False

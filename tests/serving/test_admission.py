@@ -1,163 +1,248 @@
-"""The admission door's arithmetic (``serving.gateway.admission.Admission``), as pure functions,
-and the door in a real gateway with idle streams holding places at it.
+"""The admission door and its fair shares (``serving.gateway.admission``, ``fair``), as pure
+functions on an event loop, and the door in a real gateway with idle streams holding places.
 
 The door also runs in the real gateway in tests/serving/test_overload.py (64 callers of the
-largest request) and test_coalesce.py (34 simultaneous callers at a cold gateway, none
-refused)."""
+largest request), test_coalesce.py (34 simultaneous callers at a cold gateway, none refused)
+and test_tenants.py (two tenants, one sending max-size requests)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
 from serving.gateway import admission as adm
+from serving.gateway import tenants
 from serving.gateway.admission import Admission
 from serving.gateway.errors import ScoreError
+from serving.gateway.fair import FairQueue
+from serving.gateway.tenants import Tenant
 from serving.gateway.validate import Limits
 from serving.stubs import ranker_pb2_grpc
 from serving.tools.client import build_request
 from tests.stack import Stack, start_gateway, stop_gateway, wait_status
 
 SCORE = "/recsys.v1.Ranker/Score"
+ADS, FEED = Tenant("ads"), Tenant("feed")
+HEAVY = 1000 * 26 * 64  # ids of a max-size request: 1.66M
 
 
-def test_before_any_request_a_call_at_the_door_counts_as_the_largest_allowed() -> None:
-    a = Admission(3500, prior_examples=1000)
-    a.in_flight = 1500  # (what is in flight does not matter here, only that it is)
-    tokens = [a.enter() for _ in range(3)]  # three calls reading their request
-    assert a.reserved == 3000 and a.reserving == 3
-    # 1,500 + 1,750 (the places count for half the budget at most) + 1,000 expected > 3,500
-    assert a.door_full()
-    assert not a.sizes_known  # ... but sizes are unknown: the gate waits instead of refusing
-    for t in reversed(tokens):  # one context here; in the gateway each call is a task
-        a.leave(t)
-    assert a.reserved == 0 and a.reserving == 0 and not a.door_full()
+def run(fn: Callable[[], Awaitable[Any]]) -> Any:
+    return asyncio.run(fn())  # type: ignore[arg-type]
 
 
-def test_admit_converts_the_place_at_the_door_into_the_real_size() -> None:
-    a = Admission(4000, prior_examples=1000)
-    token = a.enter()
-    a.admit(10, None)
-    assert (a.in_flight, a.reserved) == (10, 0)
-    a.leave(token)  # the call ends: its place was already taken over
-    assert a.reserved == 0
-    a.release(10)
-    assert a.in_flight == 0
+async def settle() -> None:
+    """Let every task that can run, run (a waiter's wake-up takes a few loop steps)."""
+    for _ in range(10):
+        await asyncio.sleep(0)
 
 
-def test_the_door_counts_calls_at_the_largest_recent_size_not_the_average() -> None:
-    a = Admission(3500, prior_examples=1000)
-    for examples in (1000, *[10] * 50):  # one large request, then many small ones
-        token = a.enter()
-        a.admit(examples, None)
-        a.release(examples)
-        a.leave(token)
-    assert a.expected == 1000  # the average (~15, what the door used to count) is not it
-    a.in_flight = 1000
-    tokens = [a.enter() for _ in range(2)]
-    assert a.door_full()  # 1,000 in flight + 2 x 1,000 unread + 1,000 > 3,500: refused unread
-    for t in reversed(tokens):  # one context here; in the gateway each call is a task
-        a.leave(t)
+def as_tenant(tenant: Tenant, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+    """``coro`` in a task of its own serving ``tenant`` (as a call's task does)."""
+
+    async def call() -> Any:
+        tenants.enter(tenant)
+        return await coro
+
+    return asyncio.ensure_future(call())
 
 
-def test_the_peak_ages_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    a = Admission(4000, prior_examples=1000)
-    now = [100.0]
-    monkeypatch.setattr(adm.time, "monotonic", lambda: now[0])
-    a.admit(1000, None)
-    a.release(1000)
-    now[0] += adm.PEAK_WINDOW_S + 1
-    a.admit(5, None)
-    assert a.expected == 5
+def test_one_tenant_over_its_share_is_refused_and_the_other_is_not() -> None:
+    """Issue 45: 16 loops of max-size requests from one client left another client 0.24% of
+    its calls (the door sized every call as the largest recent request, anyone's). Now the
+    heavy tenant waits in its own queue and then is refused, naming itself and the ids budget;
+    the light tenant's calls are admitted at once, before the heavy backlog, and while the
+    light tenant is active the heavy one keeps to its share."""
+
+    async def main() -> None:
+        fq = FairQueue(16384, 4 << 20)
+        running = [as_tenant(ADS, fq.acquire(ADS, 1000, HEAVY, None)) for _ in range(2)]
+        await settle()
+        assert fq.ids == 2 * HEAVY  # two fit: 3.3M of 4M ids
+        queued = [as_tenant(ADS, fq.acquire(ADS, 1000, HEAVY, None)) for _ in range(2)]
+        await settle()
+        assert len(fq.flows["ads"].queue) == 2  # 0.8 of a budget waiting
+        with pytest.raises(ScoreError) as e:
+            await fq.acquire(ADS, 1000, HEAVY, None)  # a third would be 1.2 budgets queued
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        msg = e.value.message
+        assert "tenant ads is over its share" in msg and "ids budget binds" in msg, msg
+        light = as_tenant(FEED, fq.acquire(FEED, 10, 260, 1.0))
+        await settle()  # fits beside the two heavy calls (and tags at V): at once
+        assert light.done() and light.result() == 0.0
+        fq.release(FEED, 10, 260)
+        fq.release(ADS, 1000, HEAVY)  # one heavy call ends...
+        await settle()  # ...but feed is active: ads keeps to its half (one request in flight)
+        assert not queued[0].done()
+        fq.release(ADS, 1000, HEAVY)  # its other one ends: its first queued one goes
+        await settle()
+        assert queued[0].done() and not queued[1].done()
+        assert fq.flows["feed"].refused == {} and fq.flows["ads"].refused == {"queue": 1}
+        for t in running + queued:
+            t.cancel()
+
+    run(main)
 
 
-def test_a_peak_no_admission_renews_fades(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Review item 1: the door's size of a call only changed on an admission; a gate refusing
-    everything kept counting every call as the one large request of long ago."""
-    a = Admission(16384, 1 << 20, prior_examples=1000)
-    now = [100.0]
-    monkeypatch.setattr(adm.time, "monotonic", lambda: now[0])
-    a.admit(1000, None, 26_000)
-    a.release(1000, 26_000)
-    now[0] += adm.PEAK_WINDOW_S
-    assert a.expected == 1000
-    now[0] += 3 * adm.PEAK_WINDOW_S  # no admission since: halved three times
-    assert a.expected == pytest.approx(125) and a.sizes_known
-    assert adm.aged(a.peak_ids, a.peak_ids_at, now[0]) == pytest.approx(26_000 / 8)
+def test_the_next_free_capacity_goes_to_the_tenant_under_its_share() -> None:
+    """With a backlog from ``ads``, a request of ``feed`` queued after it goes first: its
+    start tag is the virtual time, ads' backlog is tagged ahead."""
+
+    async def main() -> None:
+        fq = FairQueue(100, queue_cost=10.0)
+        first = as_tenant(ADS, fq.acquire(ADS, 100, 0, None))
+        await settle()
+        backlog = [as_tenant(ADS, fq.acquire(ADS, 100, 0, None)) for _ in range(3)]
+        await settle()
+        feed = as_tenant(FEED, fq.acquire(FEED, 100, 0, None))
+        await settle()
+        assert first.done() and not feed.done()
+        fq.release(ADS, 100, 0)
+        await settle()
+        assert feed.done() and not any(t.done() for t in backlog)
+        for t in backlog:
+            t.cancel()
+
+    run(main)
 
 
-def test_places_at_the_door_lapse_and_count_for_half_the_budget_at_most(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Review item 1: after one 1,000-example request, 16 calls that never sent a message held
-    16,000 of 16,384 examples, with no end, and every real call was refused."""
-    a = Admission(16384, 4 << 20, prior_examples=1000, hold_s=1.0)
-    now = [100.0]
-    monkeypatch.setattr(adm.time, "monotonic", lambda: now[0])
-    a.admit(1000, None, 26_000)
-    a.release(1000, 26_000)
-    idle = [a.enter() for _ in range(64)]  # a tokens' list: one context here
-    assert a.reserved == 64_000 and a.reserving == 64
-    assert not a.door_full()  # counted: 8,192 (half), + 1,000 expected: room for more
-    a.in_flight = 7500  # real work in flight: 7,500 + 8,192 + 1,000 > 16,384
-    assert a.door_full()
-    e = a.door_refusal()
-    assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert e.message == (
-        "overloaded: 7,500 examples in flight + 8,192 reserved by 64 calls still receiving "
-        "their request; the limit is 16,384; retry with backoff"
-    )
-    now[0] += 1.0  # the places lapse: they count no more
-    assert not a.door_full() and a.reserved == 0 and a.reserving == 0 and not a.places
-    token = a.enter()  # a new call's place counts again, and its admission takes it over
-    assert a.reserving == 1
-    a.admit(10, None)
-    assert a.reserving == 0 and a.reserved == 0
-    a.leave(token)
-    for t in reversed(idle):  # their calls end: nothing counted twice
-        a.leave(t)
-    assert (a.reserved, a.reserving, a.in_flight) == (0, 0, 7510)
+def test_busy_tenants_share_by_weight_and_an_idle_share_is_lent() -> None:
+    """Two backlogged tenants of weights 2 and 1 get capacity 2:1; alone, a tenant gets all of
+    it (work-conserving: nothing is kept for a tenant that sends nothing)."""
+
+    async def main() -> None:
+        heavy, light = Tenant("a", 2.0), Tenant("b", 1.0)
+        fq = FairQueue(10, queue_cost=1000.0, queue_calls=1000)
+        order: list[str] = []
+
+        async def call(t: Tenant) -> None:
+            await fq.acquire(t, 10, 0, None)
+            order.append(t.name)
+
+        tasks = [as_tenant(t, call(t)) for t in (heavy, light) for _ in range(60)]
+        await settle()
+        for _ in range(90):  # one call at a time: each release lets the next go
+            fq.release(fq.flows[order[-1]].tenant, 10, 0)
+            await settle()
+        window = order[1:91]
+        assert abs(window.count("a") - 60) <= 2 and abs(window.count("b") - 30) <= 2, window
+        for t in tasks:
+            t.cancel()
+        alone = FairQueue(100)
+        for _ in range(10):  # b is idle: a takes the whole budget at once
+            assert await alone.acquire(heavy, 10, 0, None) == 0.0
+        assert alone.examples == 100
+
+    run(main)
+
+
+def test_a_waiting_request_gives_up_at_its_deadline_and_frees_its_place() -> None:
+    async def main() -> None:
+        fq = FairQueue(100)
+        await fq.acquire(ADS, 100, 0, None)
+        with pytest.raises(ScoreError) as e:
+            await fq.acquire(ADS, 50, 0, 0.05)
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "tenant ads" in e.value.message
+        assert fq.queued == 0 and not fq.flows["ads"].queue
+        waiter = asyncio.ensure_future(fq.acquire(FEED, 50, 0, None))
+        await settle()
+        waiter.cancel()  # the caller went away while it waited: nothing stays counted
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiter
+        fq.release(ADS, 100, 0)
+        assert (fq.examples, fq.queued) == (0, 0)
+
+    run(main)
+
+
+def test_the_door_counts_a_tenants_own_places_only() -> None:
+    """The door sizes a call at its own tenant's recent largest request: with ads' queue
+    holding one max-size request, ads' next call receiving its request fills the queue and
+    the one after is refused before its upload; feed's calls pass the door whatever ads does."""
+
+    async def main() -> None:
+        a = Admission(16384, 4 << 20)
+        calls = [as_tenant(ADS, a.admit(1000, None, HEAVY)) for _ in range(3)]
+        await settle()  # two in flight (0.8 of the ids budget), one queued (0.4)
+        assert a.fair.flows["ads"].queued_cost == pytest.approx(0.4, abs=0.01)
+        assert not a.door_full(ADS)  # 0.4 queued + this call's 0.4: within one budget
+        held = [a.enter(ADS)]  # a call receiving its request: counted at ads' peak
+        assert a.door_full(ADS)  # 0.4 + 0.4 + 0.4 > 1
+        assert "tenant ads is over its share" in a.door_refusal(ADS).message
+        assert not a.door_full(FEED)
+        tenants.enter(FEED)
+        await a.admit(10, None, 260)  # fits: admitted at once, ahead of ads' queue
+        assert a.in_flight == 2010
+        a.leave(held[0])
+        for t in calls:
+            t.cancel()
+
+    run(main)
+
+
+def test_places_at_the_door_lapse(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        a = Admission(16384, 4 << 20, hold_s=1.0)
+        now = [100.0]
+        monkeypatch.setattr(adm.time, "monotonic", lambda: now[0])
+        calls = [as_tenant(ADS, a.admit(1000, None, HEAVY)) for _ in range(3)]
+        await settle()
+        a.enter(ADS)
+        assert a.door_full(ADS)
+        now[0] += 1.5  # the idle call's place lapses
+        assert not a.door_full(ADS) and a.fair.flows["ads"].reserved == 0
+        for t in calls:
+            t.cancel()
+
+    run(main)
 
 
 def test_the_door_costs_microseconds_per_call() -> None:
-    """The gateway is latency-critical: a door check, a place and its admission (a lapsing
-    queue in entry order, dropped lazily) stay O(1), whatever idle places wait in front."""
-    a = Admission(16384, 4 << 20, prior_examples=1000)
-    a.admit(1000, None)
-    idle = [a.enter() for _ in range(64)]
-    n = 20_000
-    t0 = time.process_time()
-    for _ in range(n):
-        a.door_full()
-        token = a.enter()
-        a.admit(10, None, 26)
-        a.release(10, 26)
-        a.leave(token)
-    per_call_us = (time.process_time() - t0) / n * 1e6
+    """The gateway is latency-critical: a door check, a place and its admission stay O(1),
+    whatever idle places wait in front."""
+
+    async def main() -> float:
+        a = Admission(16384, 4 << 20)
+        tenants.enter(ADS)
+        await a.admit(1000, None)
+        idle = [a.enter(ADS) for _ in range(64)]
+        n = 20_000
+        t0 = time.process_time()
+        for _ in range(n):
+            a.door_full(ADS)
+            token = a.enter(ADS)
+            await a.admit(10, None, 26)
+            a.release(10, 26)
+            a.leave(token)
+        per_call_us = (time.process_time() - t0) / n * 1e6
+        for t in reversed(idle):
+            a.leave(t)
+        return per_call_us
+
+    per_call_us = run(main)
     print(f"door + place + admission: {per_call_us:.2f} us of CPU per call")
     assert per_call_us < 100  # microseconds (a few on an idle core), not a walk of the queue
-    for t in reversed(idle):
-        a.leave(t)
 
 
-def test_refusals_name_the_budget_and_the_deadline() -> None:
-    a = Admission(100, prior_examples=100)
-    a.admit(80, None)
-    with pytest.raises(ScoreError) as e:
-        a.admit(30, None)
-    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit is 100" in e.value.message
-    a.observe(0.5)
-    with pytest.raises(ScoreError) as e:
-        a.check(1, 0.1)
-    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert a.refused == 2 and a.in_flight == 80
+def test_refusals_name_the_deadline() -> None:
+    async def main() -> None:
+        a = Admission(100)
+        await a.admit(80, None)
+        a.observe(0.5)
+        with pytest.raises(ScoreError) as e:
+            a.check(1, 0.1)
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert a.refused == 1 and a.in_flight == 80
+
+    run(main)
 
 
 def test_a_slow_first_call_does_not_wedge_the_deadline_gate(
@@ -166,23 +251,28 @@ def test_a_slow_first_call_does_not_wedge_the_deadline_gate(
     """Issue 24: one 0.4 s call set the estimate, only successes updated it, and every later
     call (deadline 0.2 s) was refused forever: 10,000 of 10,000. Now the estimate decays and an
     idle gate lets calls through, so fast backends are seen again within seconds."""
-    a = Admission(10_000, prior_examples=1)
-    now = [100.0]
-    monkeypatch.setattr(adm.time, "monotonic", lambda: now[0])
-    a.observe(0.4)  # the slow first call
-    a.admit(1, 0.2)  # nothing in flight: goes through despite the estimate (it is the probe)
-    refused = served = 0
-    for _ in range(5000):  # steady load: one call always in flight, 1 ms apart, backends 5 ms
-        now[0] += 0.001
-        try:
-            a.admit(1, 0.2)
-        except ScoreError as e:
-            assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            refused += 1
-            continue
-        served += 1
-        a.observe(0.005)
-        a.release(1)
+
+    async def main() -> tuple[int, int, Admission]:
+        a = Admission(10_000)
+        now = [100.0]
+        monkeypatch.setattr(adm.time, "monotonic", lambda: now[0])
+        a.observe(0.4)  # the slow first call
+        await a.admit(1, 0.2)  # nothing in flight: goes through despite the estimate
+        refused = served = 0
+        for _ in range(5000):  # steady load: one call always in flight, 1 ms apart, 5 ms calls
+            now[0] += 0.001
+            try:
+                await a.admit(1, 0.2)
+            except ScoreError as e:
+                assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                refused += 1
+                continue
+            served += 1
+            a.observe(0.005)
+            a.release(1)
+        return refused, served, a
+
+    refused, served, a = run(main)
     # refused for ~2 s (0.4 s halves below the 0.2 s deadline in one half-life), then served
     assert refused <= 2000 * adm.LATENCY_HALF_LIFE_S / 2 + 10, (served, refused)
     assert served >= 5000 - refused
@@ -207,39 +297,46 @@ def test_the_estimate_decays_without_news(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_health_hears_of_a_gate_that_refuses_everything(monkeypatch: pytest.MonkeyPatch) -> None:
-    a = Admission(100)
-    now = [0.0]
-    monkeypatch.setattr(adm.time, "monotonic", lambda: now[0])
-    a.admit(1, None)  # one call in flight (never ends)
-    for _ in range(10_000):  # a backend really slower than every caller's deadline
-        a.observe(1.0)
-    for _ in range(adm.REFUSING_ALL_MIN):
-        now[0] += adm.REFUSING_ALL_S / adm.REFUSING_ALL_MIN
-        with pytest.raises(ScoreError):
-            a.admit(1, 0.01)
-        a.observe(1.0)
-    assert a.refusing_all()
-    a.release(1)
-    a.admit(1, 0.01)  # idle: a call goes through, and health may say SERVING again
-    assert not a.refusing_all()
+    async def main() -> None:
+        a = Admission(100)
+        now = [0.0]
+        monkeypatch.setattr(adm.time, "monotonic", lambda: now[0])
+        await a.admit(1, None)  # one call in flight (never ends)
+        for _ in range(10_000):  # a backend really slower than every caller's deadline
+            a.observe(1.0)
+        for _ in range(adm.REFUSING_ALL_MIN):
+            now[0] += adm.REFUSING_ALL_S / adm.REFUSING_ALL_MIN
+            with pytest.raises(ScoreError):
+                await a.admit(1, 0.01)
+            a.observe(1.0)
+        assert a.refusing_all()
+        a.release(1)
+        await a.admit(1, 0.01)  # idle: a call goes through, and health may say SERVING again
+        assert not a.refusing_all()
+
+    run(main)
 
 
 def test_the_budget_counts_ids_not_only_examples() -> None:
     """Issue 20: a 1,000-example request with 64 ids per feature is ~60x the work of one with
     1 id; a budget of examples alone admitted two at once where the ids say one is enough."""
-    a = Admission(16384, 1 << 20, prior_examples=1000)
-    heavy = 1000 * 26 * 64  # 1.66M ids: over the budget, admitted alone (nothing in flight)
-    a.admit(1000, None, heavy)
-    with pytest.raises(ScoreError) as e:  # 2,000 examples of 16,384: examples alone admit it
-        a.admit(1000, None, heavy)
-    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert f"{heavy} ids in flight, the limit is {1 << 20}" in e.value.message
-    assert a.in_flight == 1000 and a.ids_in_flight == heavy  # the refusal reserved nothing
-    light = 1000 * 26  # the same examples with 1 id per feature fit beside it... once released
-    a.release(1000, heavy)
-    for _ in range(16):
-        a.admit(1000, None, light)  # 16,000 examples, 416k ids: both budgets hold
-    assert a.ids_in_flight == 16 * light
+
+    async def main() -> None:
+        fq = FairQueue(16384, 1 << 20)
+        await fq.acquire(ADS, 1000, HEAVY, None)  # over the budget, admitted alone
+        second = asyncio.ensure_future(fq.acquire(ADS, 1000, HEAVY, None))
+        await settle()
+        assert not second.done()  # 2,000 of 16,384 examples, but the ids say wait
+        fq.release(ADS, 1000, HEAVY)
+        await settle()
+        assert second.done()
+        fq.release(ADS, 1000, HEAVY)
+        light = 1000 * 26  # the same examples with 1 id per feature: 16 fit at once
+        for _ in range(16):
+            assert await fq.acquire(ADS, 1000, light, None) == 0.0
+        assert fq.ids == 16 * light
+
+    run(main)
 
 
 # --- against the real gateway: idle streams at the door (review item 1) ----------------------
