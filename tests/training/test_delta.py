@@ -127,10 +127,22 @@ def test_differing_rows_finds_exactly_the_rows_that_differ(width: int) -> None:
     g = torch.Generator().manual_seed(width)
     new = torch.randint(0, 256, (5000, width), dtype=torch.uint8, generator=g)
     ref = new.clone()
-    for row, col in ((0, 0), (17, width - 1), (4999, width // 2), (17, 0), (2500, 5)):
+    # row 42 differs only in its last byte: the last word of the row (at 16 bytes, an int4 row
+    # of dim 16: its scale and bias), which a compare that skips the last word would miss
+    for row, col in (
+        (0, 0),
+        (17, width - 1),
+        (4999, width // 2),
+        (17, 0),
+        (2500, 5),
+        (42, width - 1),
+    ):
         ref[row, col] ^= 1
     want = (new != ref).any(dim=1).nonzero().flatten()
-    assert differing_rows(new, ref).tolist() == want.tolist() == [0, 17, 2500, 4999]
+    assert differing_rows(new, ref).tolist() == want.tolist() == [0, 17, 42, 2500, 4999]
+    first_only = new.clone()
+    first_only[7, 0] ^= 0x80  # and only its first byte's top bit
+    assert differing_rows(new, first_only).tolist() == [7]
 
 
 def test_a_bad_delta_leaves_the_version_serving(later: dict[str, Any], tmp_path: Path) -> None:

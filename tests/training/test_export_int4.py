@@ -116,3 +116,9 @@ def test_the_greedy_lowers_the_cheapest_loss_per_byte_first() -> None:
     assert choose(rows, dim, losses, sizes["int4"]) == ["int4"] * 3
     # at dim 8 an int8 row is an fp16 row's size: lowering goes straight to int4
     assert choose(rows, 8, losses, _sizes(rows, 8)["fp16"] - 1) == ["int4", "fp16", "fp16"]
+    # tables of unequal size: lowering the large one costs twice the loss but saves 100x the
+    # bytes, so per byte it is the cheaper step (a greedy on loss alone lowers the small one,
+    # which also fits this budget: the test tells them apart)
+    rows2 = [100_000, 1_000]
+    losses2 = [{"fp16": 0.0, "int8": 2e-6, "int4": 1.0}, {"fp16": 0.0, "int8": 1e-6, "int4": 1.0}]
+    assert choose(rows2, dim, losses2, _sizes(rows2, dim)["fp16"] - 1) == ["int8", "fp16"]
