@@ -149,6 +149,56 @@ class MetricsConfig:
 
 
 @dataclass
+class ConnectionsConfig:
+    """Connections are a resource too (serving/gateway/connections.py): idle ones closed, a
+    silent one dropped after its handshake time, caps in total (and per peer over HTTP) below
+    the open-files limit, so accept() never meets EMFILE. 0 = off, for each key."""
+
+    grpc_idle_s: float = 30.0
+    """Close a gRPC connection without a call for this long (GOAWAY: a client reconnects on
+    its next call, one handshake). Below the idle timeouts of the middleboxes in common use
+    (AWS ALB 60 s, NLB 350 s, Azure LB 4 min), so the gateway closes first and cleanly instead
+    of a client's next call meeting a connection a middlebox dropped silently."""
+    grpc_max_age_s: float = 600.0
+    """Close every gRPC connection after this long (grpc adds +-10% jitter), so clients resolve
+    the name again and a scale-out or a rolling update gets its share of the connections."""
+    grpc_age_grace_s: float = 30.0
+    """Calls in flight on a connection closed for age may finish within this (our longest
+    call: a 2 s backend deadline + 0.25 s per MB of a 13.5 MB body); 0 = without end."""
+    grpc_max_connections: int = 4096
+    """Open gRPC connections at most (``grpc.max_allowed_incoming_connections``); one more is
+    closed as it is accepted. Counted from accept, handshakes included. There is no per-peer
+    cap on gRPC: grpc Python has no accept hook (firewall ``connlimit`` or a proxy does that)."""
+    grpc_max_streams: int = 256
+    """Calls at once on one gRPC connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); a client
+    past it queues on its side. Above the concurrency of any one caller we run (the load
+    test's users each have their own channel; the suite's most on one channel is 40)."""
+    handshake_timeout_s: float = 10.0
+    """A connection that has not finished its handshake (TLS, HTTP/2 preface and SETTINGS on
+    gRPC; TLS on HTTP) within this is closed: grpc's default, 120 s, let a silent or
+    plaintext connection to the TLS port hold a descriptor for two minutes. A datacenter
+    client needs milliseconds. (A plaintext HTTP connection's head is bounded by
+    ``limits.read_timeout_s``.)"""
+    http_max_connections: int = 2048
+    """Open KServe HTTP connections at most; one more is closed as it is accepted (before any
+    TLS work). HTTP/1.1 carries one call at a time per connection: a caller's connections are
+    its concurrency."""
+    http_max_per_peer: int = 256
+    """Open KServe HTTP connections from one IP address at most. Behind a load balancer or NAT
+    that shows many clients as one address, set 0 (off) or ``http_max_connections``."""
+
+    def __post_init__(self) -> None:
+        if min(self.grpc_idle_s, self.grpc_max_age_s, self.grpc_age_grace_s) < 0:
+            raise ValueError("connections: grpc_idle_s, grpc_max_age_s, grpc_age_grace_s >= 0")
+        if self.handshake_timeout_s < 0:
+            raise ValueError("connections.handshake_timeout_s must be >= 0 (0: grpc's 120 s)")
+        caps = (self.grpc_max_connections, self.grpc_max_streams, self.http_max_connections,
+                self.http_max_per_peer)  # fmt: skip
+        if min(caps) < 0:
+            raise ValueError("connections: the caps (max_*) must be >= 0 (0: off)")
+
+
+@dataclass
 class GatewayConfig:
     """The gRPC gateway in front of one or more TorchServe replicas."""
 
@@ -200,6 +250,8 @@ class GatewayConfig:
     """Who may call (bearer tokens); health open by default."""
     tls: TlsConfig = field(default_factory=TlsConfig)
     """TLS and mutual TLS on the gateway's port."""
+    connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
+    """Idle and silent connections closed, caps below the open-files limit."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Prometheus metrics endpoint."""
     log_level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"

@@ -312,18 +312,22 @@ def ssl_context(tls: TlsConfig) -> ssl.SSLContext | None:
 
 async def start(cfg: GatewayConfig, rest: Rest) -> tuple[web.AppRunner, int] | None:
     """Serve ``rest`` on ``cfg.host:cfg.http_port`` (on this event loop); None when off
-    (-1) or when the port cannot be bound (one error line: gRPC serves on)."""
+    (-1) or when the port cannot be bound (one error line: gRPC serves on). Connections are
+    capped per peer and in total (``cfg.connections``), counted from accept, with TLS done
+    after the count (serving/gateway/connections.py)."""
+    from serving.gateway.connections import GatedRunner, PeerGate
+
     if cfg.http_port < 0:
         return None
-    wait = cfg.limits.read_timeout_s
-    runner = web.AppRunner(
-        rest.app(), handle_signals=False, access_log=None, shutdown_timeout=cfg.grace_s,
+    wait, caps = cfg.limits.read_timeout_s, cfg.connections
+    runner = GatedRunner(
+        rest.app(), PeerGate(caps.http_max_connections, caps.http_max_per_peer),
+        ssl_context(cfg.tls), caps.handshake_timeout_s,
+        handle_signals=False, access_log=None, shutdown_timeout=cfg.grace_s,
         keepalive_timeout=wait, lingering_time=0,  # an unread body is never read: closed
     )  # fmt: skip
     await runner.setup()
-    site = web.TCPSite(
-        runner, cfg.host.strip("[]"), cfg.http_port, ssl_context=ssl_context(cfg.tls)
-    )
+    site = web.TCPSite(runner, cfg.host.strip("[]"), cfg.http_port)  # TLS: the runner's
     try:
         await site.start()
     except OSError as e:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
+import resource
 import signal
 import sys
 from collections.abc import Sequence
@@ -23,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from recsys_stack.config import ConfigError, parse
-from serving.gateway import kserve, metrics, rest, tenant_metrics
+from serving.gateway import connections, kserve, metrics, rest, tenant_metrics
 from serving.gateway.admission import AdmissionInterceptor
 from serving.gateway.auth import AuthError, check_exposure, identifier, refusal, server_credentials
 from serving.gateway.auth import interceptors as auth_interceptors
@@ -135,14 +137,19 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     # threads contending for the GIL and every loop step waited its turn behind them (health
     # p99 45-93 ms under tests/serving/test_overload.py; 25-37 ms with one thread, more calls
     # served). Numpy's copies release the GIL, so one thread loses little.
-    asyncio.get_running_loop().set_default_executor(
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(
         concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload")
     )
+    connections.quiet_accept_errors(loop)  # EMFILE at accept: one line per 10 s, no tracebacks
     schema = Schema.load(cfg.schema)
     check_limits_fit(cfg, schema)
+    open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    caps = connections.fit(cfg.connections, open_files, http=cfg.http_port >= 0)
     options = [
         ("grpc.max_receive_message_length", 2 * cfg.limits.max_request_bytes),
         ("grpc.max_send_message_length", 2 * cfg.limits.max_request_bytes),
+        *connections.grpc_options(caps),
     ]
     m = metrics.configure(cfg.limits.max_examples, cfg.coalesce.max_examples)
     pool = BackendPool(
@@ -195,7 +202,8 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     await server.start()
     metrics_server = metrics.start_server(m, cfg.metrics.host or cfg.host, cfg.metrics.port)
     # KServe v2 over HTTP: the same model, auth, admission and metrics, on this loop
-    http = await rest.start(cfg, rest.Rest(model, ranker.admission, auth_gate, m))
+    http_cfg = dataclasses.replace(cfg, connections=caps)  # the caps as fitted
+    http = await rest.start(http_cfg, rest.Rest(model, ranker.admission, auth_gate, m))
     logger.info(
         "gateway on %s:%d (%s, %s) -> TorchServe %s, model %s versions %s",
         cfg.host,
@@ -210,7 +218,6 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         poll_health(cfg, ranker, watcher, health_servicer, auth_gate, model)
     )
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if ready is not None:
@@ -261,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     keep_freed_memory()  # a request reuses the last one's memory: no page faults (memory.py)
+    connections.raise_open_files_limit()  # 1,024 is a thousand connections (connections.py)
     asyncio.run(serve(cfg))
     return 0
 
