@@ -263,6 +263,7 @@ LONGEST_FIRST = (
     "training/test_frozen_recipe.py", "training/test_export.py", "loadtest/test_loadtest.py",
     "training/test_portable.py", "loadtest/test_chaos.py", "training/test_multinode.py",
     "serving/test_mapped.py", "serving/test_gateway.py", "serving/test_canary.py",
+    "serving/test_tenants.py", "serving/test_connections.py",
     "training/test_continuous_deltas.py",
     "serving/test_scale.py", "training/test_errors.py", "serving/test_failover.py",
     "test_notebook.py", "serving/test_auth.py", "serving/test_portable.py",
@@ -283,24 +284,47 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
+# the file that marks a temp root as this suite's: only marked roots are ever removed
+SUITE_MARK = ".recsys-suite-root"
+
+
+def remove_old_roots(tmp: Path, age_s: float = 86400) -> list[Path]:
+    """Remove this suite's temp roots under ``tmp`` older than ``age_s``: ``rs-*`` folders
+    holding :data:`SUITE_MARK` and owned by this user (another user's or another tool's
+    ``rs-*`` on a shared machine is left alone). The removed ones."""
+    import time
+
+    removed = []
+    for old in tmp.glob("rs-*"):
+        with contextlib.suppress(OSError):
+            st = old.stat()
+            if (
+                (old / SUITE_MARK).is_file()
+                and st.st_uid == os.getuid()
+                and time.time() - st.st_mtime > age_s
+            ):
+                shutil.rmtree(old, ignore_errors=True)
+                removed.append(old)
+    return removed
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     """A short temp root when the suite runs in xdist workers and none was given: each worker's
     folder (``popen-gwN``) adds a level under ``/tmp/pytest-of-<user>/pytest-<n>``, and the
     TorchServe workdirs under it must stay short enough for its AF_UNIX sockets
     (serving/torchserve/process.py refuses deeper ones). Kept after the run for its logs, as
-    pytest keeps its own; roots of runs older than a day are removed (no live run is)."""
+    pytest keeps its own; this suite's roots (marked with :data:`SUITE_MARK`, owned by this
+    user) of runs older than a day are removed (no live run is); nothing else in /tmp is."""
     import tempfile
-    import time
 
     workers = getattr(config.option, "numprocesses", None)
     if workers and config.option.basetemp is None and not os.environ.get("PYTEST_XDIST_WORKER"):
         tmp = Path(tempfile.gettempdir())
-        for old in tmp.glob("rs-*"):
-            with contextlib.suppress(OSError):
-                if old.is_dir() and time.time() - old.stat().st_mtime > 86400:
-                    shutil.rmtree(old, ignore_errors=True)
-        config.option.basetemp = tempfile.mkdtemp(prefix="rs-", dir=tmp)
+        remove_old_roots(tmp)
+        root = Path(tempfile.mkdtemp(prefix="rs-", dir=tmp))
+        (root / SUITE_MARK).write_text("recsys test suite root\n")
+        config.option.basetemp = str(root / "t")  # pytest empties basetemp: the mark sits above
     if not workers or hasattr(config, "workerinput"):  # a process that runs tests, not xdist's
         warm.install(ROOT, _env())  # controller: its entry-point starts go to a warm Python
 

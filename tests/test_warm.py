@@ -90,3 +90,22 @@ def test_a_sigkilled_stand_in_takes_its_run_with_it(tmp_path: Path, data_dirs: l
     proc.kill()
     proc.wait(timeout=60)
     assert _gone(child), "the warm child outlived its SIGKILLed stand-in"
+
+
+def test_only_this_suites_old_temp_roots_are_removed(tmp_path: Path) -> None:
+    """Issue 46 item 9: the suite deleted every /tmp/rs-* older than a day on a shared machine;
+    now only the roots it marked as its own."""
+    import os
+
+    from tests.conftest import SUITE_MARK, remove_old_roots
+
+    ours, foreign, young = tmp_path / "rs-ours", tmp_path / "rs-someone", tmp_path / "rs-young"
+    for d in (ours, foreign, young):
+        d.mkdir()
+    (ours / SUITE_MARK).write_text("")
+    (young / SUITE_MARK).write_text("")
+    day_ago = time.time() - 2 * 86400
+    for d in (ours, foreign):
+        os.utime(d, (day_ago, day_ago))
+    assert remove_old_roots(tmp_path) == [ours]
+    assert foreign.is_dir() and young.is_dir() and not ours.exists()
