@@ -47,12 +47,17 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def _imports(path: Path, name: str) -> list[str]:
-    """Absolute names imported anywhere in ``path`` (``if TYPE_CHECKING:`` blocks excluded)."""
+def _imports(path: Path, name: str, typing_only: bool = True) -> list[str]:
+    """Absolute names imported anywhere in ``path``; ``typing_only=False`` leaves out the
+    ``if TYPE_CHECKING:`` blocks."""
     tree = ast.parse(path.read_text())
     skip: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if (
+            not typing_only
+            and isinstance(node, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(node.test)
+        ):
             skip |= {id(n) for n in ast.walk(node)}
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
@@ -73,12 +78,15 @@ def _imports(path: Path, name: str) -> list[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(typing_only: bool = True) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (those of ``if TYPE_CHECKING:`` blocks too,
+    unless ``typing_only`` is False: a circle through type hints is still two modules that
+    each need the other, issue 46 item 9's evaluator <-> step_loop)."""
     mods = modules()
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         deps = set()
-        for imported in _imports(path, name):
+        for imported in _imports(path, name, typing_only):
             # the imported module, or the closest project package containing it
             parts = imported.split(".")
             while parts and ".".join(parts) not in mods:

@@ -23,21 +23,16 @@ The run ends with a final evaluation on the whole held-out split, completed by `
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
 from training.checkpoint.store import Progress, step_dir_name
-from training.errors import DataError
 from training.metrics.log import MetricsLog
 from training.metrics.monitor import Monitor
+from training.metrics.window import Window, mean_over_ranks
 from training.trainer import Trainer, unwrapped_model
 
 if TYPE_CHECKING:  # (the evaluator imports this module's Window and mean_over_ranks)
@@ -46,78 +41,6 @@ if TYPE_CHECKING:  # (the evaluator imports this module's Window and mean_over_r
 
 logger = logging.getLogger("training")
 Finish = Callable[[dict[str, Any]], None]
-
-
-def mean_over_ranks(value: float) -> float:
-    """Mean of a per-rank float over the process group (itself without one)."""
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t.item()) / dist.get_world_size()
-
-
-@dataclass
-class Window:
-    """Samples, loss and training time since the last evaluation.
-
-    Losses are added as device tensors (:meth:`add_loss`, no sync) and read off the device
-    together by :meth:`flush`, which ``loss_sum`` calls: every reader sees them all.
-    """
-
-    start: float = field(default_factory=time.perf_counter)
-    samples: int = 0
-    steps: int = 0
-    _loss_sum: float = 0.0
-    _pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (step, loss)
-
-    @property
-    def loss_sum(self) -> float:
-        """Sum of the window's step losses (reads the pending ones off the device)."""
-        self.flush()
-        return self._loss_sum
-
-    def add_loss(self, step: int, loss: torch.Tensor) -> None:
-        """Record ``step``'s loss (a scalar tensor, on any device) without reading it."""
-        self._pending.append((step, loss.detach()))
-        self.steps += 1
-
-    def flush(self) -> float | None:
-        """Read the pending losses in one device-to-host copy, check they are finite, add them
-        to the sum in step order; returns the latest loss (None when nothing was pending).
-
-        Raises DataError naming the first step whose loss is NaN or infinite."""
-        if not self._pending:
-            return None
-        values = torch.stack([loss for _, loss in self._pending]).cpu().tolist()
-        steps = [step for step, _ in self._pending]
-        self._pending.clear()
-        for step, value in zip(steps, values, strict=True):
-            if not math.isfinite(value):
-                raise DataError(
-                    f"training loss became {value} at step {step}; lower the learning rates"
-                )
-            self._loss_sum += value
-        return float(values[-1])
-
-    def reset(self) -> None:
-        self.flush()  # the check covers every step, even one no reader looked at
-        self.start, self.samples, self._loss_sum, self.steps = time.perf_counter(), 0, 0.0, 0
-
-    def exclude(self, seconds: float) -> None:
-        """Time spent outside training (a checkpoint save) does not count."""
-        self.start += seconds
-
-    @contextlib.contextmanager
-    def excluded(self) -> Iterator[None]:
-        """The time spent inside (a checkpoint save) does not count as training."""
-        t0 = time.perf_counter()
-        yield
-        self.exclude(time.perf_counter() - t0)
-
-    def samples_per_sec(self) -> float | None:
-        elapsed = time.perf_counter() - self.start
-        return self.samples / elapsed if self.samples and elapsed > 0 else None
 
 
 class TrainLoop:

@@ -28,9 +28,7 @@ makes the whole file unparsable (never half-read).
   (and before its request is read), at once within its peer's :class:`PeerLimit`, after a
   delay past it.
   Health is open unless ``auth.protect_health``; reflection is protected (it lists services).
-- :func:`server_credentials`: TLS (``cert`` + ``key``) or mutual TLS (+ ``client_ca``).
-- :func:`check_exposure`: the gateway refuses to start on a non-loopback host with no token
-  file unless ``auth.allow_unauthenticated``.
+- TLS and the exposure rule: serving/gateway/exposure.py.
 - Client side: :func:`client_token` finds the token (``RECSYS_GATEWAY_TOKEN_FILE``, else the
   file ``make serve`` writes) and :func:`write_token_file` creates it (mode 0600); our tools'
   channels (TLS, mutual TLS, the token on every call) are built in serving/tools/channel.py.
@@ -40,11 +38,9 @@ makes the whole file unparsable (never half-read).
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 import secrets
@@ -56,7 +52,8 @@ from typing import Any
 
 import grpc
 
-from serving.gateway.config import TOKEN_FILE_ENV, TOKEN_FILE_NAME, AuthConfig, TlsConfig
+from serving.gateway.config import TOKEN_FILE_ENV, TOKEN_FILE_NAME, AuthConfig
+from serving.gateway.peers import PeerLimit, peer_host
 from serving.gateway.rpc import HandlerInterceptor
 from serving.gateway.tenants import DEFAULT, Tenant, check_consistent, parse_settings
 from serving.gateway.watched import WatchedFile
@@ -65,7 +62,6 @@ logger = logging.getLogger("serving.gateway.auth")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 RECHECK_S = 1.0  # how often the token file is looked at, at most
 TRANSIENT_LOG_S = 10.0  # a transient failure to read the token file is logged this often at most
-MAX_PEERS = 65536  # peers whose buckets are kept before the full ones are forgotten
 # what a caller is told while the token file cannot be used (the log names the file and why)
 UNUSABLE = (
     "the gateway's token file cannot be used: every call is refused until its operator fixes "
@@ -236,60 +232,6 @@ def _digests(entries: list[tuple[str, Tenant]]) -> list[tuple[bytes, Tenant]]:
     return [(_digest(token.encode()), tenant) for token, tenant in entries]
 
 
-class PeerLimit:
-    """A token bucket per peer address for calls without an accepted token.
-
-    Within its bucket a peer's refusal is immediate (a client with a wrong token learns it at
-    once); past it the refusal is answered after ``delay_s`` (a tarpit: 64 loops of such calls
-    cut another client's calls by 54% when each was answered at once; a delayed answer holds a
-    loop for ``delay_s``, so they make ~64 calls a second instead of thousands). At most
-    ``max_delayed`` answers wait at once (more are answered at once: the tarpit cannot be made
-    to hold memory)."""
-
-    def __init__(self, rate: float, burst: float, delay_s: float, max_delayed: int = 4096) -> None:
-        self.rate, self.burst, self.delay_s, self.max_delayed = rate, burst, delay_s, max_delayed
-        self.buckets: dict[str, tuple[float, float]] = {}
-        self.delayed = 0
-
-    def allow(self, peer: str, now: float | None = None) -> bool:
-        """Take a token of ``peer``'s bucket: False when it is empty."""
-        now = time.monotonic() if now is None else now
-        level, at = self.buckets.get(peer, (self.burst, now))
-        level = min(self.burst, level + (now - at) * self.rate)
-        ok = level >= 1.0
-        self.buckets[peer] = (level - 1.0 if ok else level, now)
-        if len(self.buckets) > MAX_PEERS:  # forget the peers whose buckets have refilled
-            full = now - self.burst / self.rate if self.rate else now
-            self.buckets = {p: v for p, v in self.buckets.items() if v[1] > full}
-        return ok
-
-    async def refuse(self, peer: str) -> str:
-        """Wait as :class:`PeerLimit` says for a call of ``peer`` to be refused; "" when it is
-        within its bucket, else the refusal's text."""
-        if self.allow(peer):
-            return ""
-        if self.delayed < self.max_delayed and self.delay_s > 0:
-            self.delayed += 1
-            try:
-                await asyncio.sleep(self.delay_s)
-            finally:
-                self.delayed -= 1
-        return (
-            f"too many calls without an accepted token from {peer} (more than {self.rate:g} a "
-            "second): send 'authorization: Bearer <token>' with a valid token"
-        )
-
-
-def peer_host(peer: str) -> str:
-    """The address of a grpc ``context.peer()`` (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``) or an
-    aiohttp ``request.remote``, without the port."""
-    kind, _, rest = peer.partition(":")
-    if kind in ("ipv4", "ipv6"):
-        host, _, _ = rest.rpartition(":")
-        return host.strip("[]") or rest
-    return peer
-
-
 def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
     """The token of an ``authorization: Bearer <token>`` entry, or None."""
     for key, value in metadata or ():
@@ -374,49 +316,6 @@ def refusal(gate: Sequence[HandlerInterceptor]) -> str:
         if isinstance(interceptor, AuthInterceptor) and (problem := interceptor.tokens.refresh()):
             return problem
     return ""
-
-
-def read_pem(key: str, path: str) -> bytes:
-    """The bytes of the PEM file ``path``; AuthError naming the config ``key`` and the file."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise AuthError(f"{key} {path}: {e.strerror or e}") from None
-    if b"-----BEGIN " not in data:
-        raise AuthError(f"{key} {path}: not a PEM file")
-    return data
-
-
-def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
-    """TLS credentials for ``tls`` (mutual TLS when ``client_ca`` is set); None = plaintext."""
-    if not tls.enabled:
-        return None
-    pair = (read_pem("tls.key", tls.key), read_pem("tls.cert", tls.cert))
-    if tls.client_ca:
-        ca = read_pem("tls.client_ca", tls.client_ca)
-        return grpc.ssl_server_credentials([pair], ca, require_client_auth=True)
-    return grpc.ssl_server_credentials([pair])
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and localhost; False for wildcards and other addresses."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def check_exposure(host: str, auth: AuthConfig) -> None:
-    """Refuse (AuthError) to serve a non-loopback ``host`` without a token file."""
-    if auth.token_file or auth.allow_unauthenticated or is_loopback(host):
-        return
-    raise AuthError(
-        f"host {host} is reachable from other machines but auth.token_file is not set: set "
-        f"{TOKEN_FILE_ENV} (or --auth.token-file) to a file of tokens, or pass "
-        "auth.allow_unauthenticated=true to serve without authentication"
-    )
 
 
 def interceptors(auth: AuthConfig) -> list[HandlerInterceptor]:

@@ -27,11 +27,12 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from recsys_stack.config import ConfigError, parse
 from serving.gateway import connections, kserve, metrics, rest, tenant_metrics
 from serving.gateway.admission import AdmissionInterceptor
-from serving.gateway.auth import AuthError, check_exposure, identifier, refusal, server_credentials
+from serving.gateway.auth import AuthError, identifier, refusal
 from serving.gateway.auth import interceptors as auth_interceptors
 from serving.gateway.backends import BackendPool
 from serving.gateway.config import GatewayConfig
 from serving.gateway.discovery import Discovery
+from serving.gateway.exposure import check_exposure, server_credentials
 from serving.gateway.memory import keep_freed_memory
 from serving.gateway.plan_watcher import PlanWatcher, schema_plan
 from serving.gateway.ranker import ENVELOPE_BYTES, SERVICE, Ranker

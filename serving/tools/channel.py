@@ -27,8 +27,9 @@ from typing import Any
 import grpc
 
 from recsys_stack.config import iter_keys, load
-from serving.gateway.auth import call_metadata, client_token, read_pem
+from serving.gateway.auth import call_metadata, client_token
 from serving.gateway.config import ChannelConfig, GatewayConfig
+from serving.gateway.exposure import read_pem
 
 Metadata = tuple[tuple[str, str], ...]
 

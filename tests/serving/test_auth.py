@@ -31,11 +31,11 @@ from serving.gateway.auth import (
     AuthError,
     TokenFile,
     bearer_token,
-    check_exposure,
     read_tokens,
     write_token_file,
 )
 from serving.gateway.config import AuthConfig, MetricsConfig, TlsConfig
+from serving.gateway.exposure import check_exposure
 from serving.stubs import ranker_pb2_grpc
 from serving.tools.client import build_request, gateway_status
 from serving.torchserve.config import TorchServeConfig

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from recsys_stack.net import free_ports
-from serving.gateway.auth import AuthError, PeerLimit, TokenFile, peer_host, read_entries
+from serving.gateway.auth import AuthError, TokenFile, read_entries
 from serving.gateway.config import AuthConfig, MetricsConfig
+from serving.gateway.peers import PeerLimit, peer_host
 from serving.gateway.tenants import Tenant, anonymous_name
 from serving.tools.client import build_request
 from serving.torchserve.config import TorchServeConfig

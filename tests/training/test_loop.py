@@ -13,7 +13,8 @@ import torch
 from training.checkpoint.store import Progress
 from training.errors import DataError
 from training.metrics.log import MetricsLog, read_metrics
-from training.step_loop import TrainLoop, Window
+from training.metrics.window import Window
+from training.step_loop import TrainLoop
 
 
 class _Pipeline:

@@ -17,7 +17,7 @@ from training.checkpoint.store import Progress
 from training.config import Config
 from training.data.loader import Arrays, eval_batches
 from training.metrics.log import EvalMetrics, MetricsLog
-from training.step_loop import Window, mean_over_ranks
+from training.metrics.window import Window, mean_over_ranks
 
 logger = logging.getLogger("training")
 
