@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from loadtest.config import ROOT, SHORT_FLAGS, LoadConfig, default_data
+from loadtest.config import ROOT, SHORT_FLAGS, LoadConfig, resolve_data
 from loadtest.locust_runner import run_locust
 from recsys_stack import config as rc
 from recsys_stack.net import free_ports
@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = rc.add_config_args(parser, LoadConfig, short=SHORT_FLAGS).parse_args(argv)
         cfg = rc.from_args(LoadConfig, ns)
         cfg.check()
-        cfg.data = cfg.data or default_data()
+        resolve_data(cfg)
     except rc.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ from typing import Any
 
 from loadtest import chaos_report as cr
 from loadtest.chaos_report import LOG_ENV
-from loadtest.config import ROOT, LoadConfig, default_data, seconds
+from loadtest.config import ROOT, LoadConfig, resolve_data, seconds
 from loadtest.faults import FAULTS, Cluster, Event, Replica, sample_rss, start_gateway, stop_all
 from loadtest.faults import ready_pids as _ready_pids
 from loadtest.locust_runner import end_load, run_locust
@@ -342,8 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         cfg = parse_args(argv)
-        cfg.data = cfg.data or default_data()
         Schema.load(cfg.gateway.schema)
+        resolve_data(cfg, cfg.gateway.schema)
     except rc.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

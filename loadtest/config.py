@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from recsys_stack.config import ConfigError, env_field
 
@@ -28,7 +29,12 @@ class LoadConfig:
     duration: str = "30s"
     """Locust run time, e.g. 10s, 2m."""
     data: Path | None = None
-    """Criteo TSV for payloads (default: the first data/synthetic/*.tsv)."""
+    """Criteo TSV for payloads (default: the file of the served model's unseen rows, as its
+    schema.json records them, of the stack of ``workdir``; with nothing serving there, the
+    newest data/synthetic/*.tsv, said in the output)."""
+    workdir: Path = env_field("RECSYS_SERVE_DIR", Path("runs/serve"))
+    """The running stack's state folder (``make serve``'s): whose served model's data is the
+    default."""
     examples: int = 100
     """Examples per request."""
     sample_rows: int = 20_000
@@ -89,11 +95,42 @@ def seconds(duration: str) -> float:
         raise ConfigError(f"duration {duration!r}: expected e.g. 30s, 2m") from None
 
 
-def default_data() -> Path:
-    found = sorted((ROOT / "data" / "synthetic").glob("*.tsv"))
-    if not found:
-        raise ConfigError(
-            "no data and no data/synthetic/*.tsv: pass --data FILE.tsv, or make one with "
-            "`python -m training.data.synthetic --rows 20000 --out data/synthetic/loadtest.tsv`"
-        )
-    return found[0]
+def schema_data(schema: Path) -> tuple[Path, str]:
+    """The file of the unseen rows ``schema`` (an export's schema.json) records; ConfigError
+    (one line) when it records none, or they are missing."""
+    import json
+
+    from recsys_stack.datafile import DataMismatch
+    from serving.tools.evaldata import model_window
+
+    try:
+        window = model_window(json.loads(schema.read_text()), str(schema.parent), 0)
+    except (DataMismatch, OSError, ValueError) as e:
+        raise ConfigError(f"{e}: pass --data FILE.tsv") from None
+    return window.paths[-1], f"the model's data{window.origin}"
+
+
+def resolve_data(cfg: Any, schema: Path | None = None) -> None:
+    """``cfg.data`` (a :class:`LoadConfig` or the chaos run's config) when given, else :func:`schema_data` of ``schema`` or
+    :func:`default_data`, said in one line."""
+    if cfg.data is not None:
+        return
+    cfg.data, why = schema_data(schema) if schema is not None else default_data(cfg.workdir)
+    print(f"load test rows from {cfg.data} ({why})", flush=True)
+
+
+def default_data(workdir: Path) -> tuple[Path, str]:
+    """The data file a load test draws from when none is given, and why: the file holding the
+    served model's unseen rows (its own data: a model trained on other ids or another table
+    size would be measured on rows it never meets), else the newest data/synthetic/*.tsv (a
+    load test with nothing served from ``workdir`` still runs; the result says which file)."""
+    from serving.tools.evaldata import NoDefault, default_window
+
+    try:
+        window = default_window(workdir, "", 0, "--data")
+        return window.paths[-1], f"the served model's data{window.origin}"
+    except NoDefault as served:
+        found = sorted((ROOT / "data" / "synthetic").glob("*.tsv"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise ConfigError(f"{served}") from None
+        return found[-1], f"the newest synthetic file (no served model's data: {served})"

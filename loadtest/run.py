@@ -46,7 +46,7 @@ from typing import Any
 
 from loadtest import report
 from loadtest.calibrate import ceiling_run
-from loadtest.config import ROOT, SHORT_FLAGS, LoadConfig, default_data
+from loadtest.config import ROOT, SHORT_FLAGS, LoadConfig, resolve_data
 from loadtest.locust_runner import run_locust, stop_on_signals, stop_requested
 from recsys_stack import config as rc
 
@@ -149,6 +149,8 @@ def result_line(s: dict[str, Any]) -> str:
     if ws:
         of = f"all {ws['file_rows']:,}" if "file_rows" in ws else f"of ~{ws['file_rows_est']:,}"
         line += f"; working set {ws['rows']:,} rows ({of}), {ws['distinct_ids']:,} distinct ids"
+    if s.get("data"):
+        line += f"; rows of {s['data']}"
     if s.get("unreported_calls"):
         line += f"; {s['unreported_calls']:,} calls made are missing from Locust's final stats"
     return line + (f", stopped by {s['stopped_by']}" if "stopped_by" in s else "")
@@ -174,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = parse_args(argv)
-        cfg.data = cfg.data or default_data()
+        resolve_data(cfg)
     except rc.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
