@@ -200,7 +200,7 @@ demo: setup  ## everything on the embedded default: train -> export -> serve -> 
 	$(MAKE) --no-print-directory train PRESET=demo
 	$(MAKE) --no-print-directory export PRESET=demo EXPORT_ARGS=--overwrite
 	@set -e; trap '$(MAKE) --no-print-directory stop' EXIT; \
-	  $(MAKE) --no-print-directory serve PRESET=demo; \
+	  $(MAKE) --no-print-directory serve PRESET=demo SERVE_ARGS="--from-export $(SERVE_ARGS)"; \
 	  $(MAKE) --no-print-directory score PRESET=demo ROWS=5; \
 	  $(MAKE) --no-print-directory loadtest DURATION=20s OUT=$(OUT) \
 	    LOADTEST_ARGS="--calibrate --slo-failure-ratio 0 $(LOADTEST_ARGS)"; \

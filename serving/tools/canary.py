@@ -150,7 +150,8 @@ def misfit(base: dict[str, Any]) -> str | None:
 
 def compare(base: dict[str, Any], cand: dict[str, Any], margin: float) -> tuple[bool, str]:
     """``(accept, table)``: the candidate passes when its AUC is at least the default's minus
-    ``margin``, on rows the default fits (:func:`misfit`)."""
+    ``margin`` on rows the default fits (:func:`misfit`); on rows only the candidate fits, it
+    passes (the default is the bad one); on rows neither fits, it is refused."""
     rows = [("AUC", "auc"), ("NE", "normalized_entropy"), ("log loss", "log_loss"),
             ("calibration", "calibration")]  # fmt: skip
     lines = [f"  {'':12} {'default':>10} {'candidate':>10} {'delta':>10}"]
@@ -158,8 +159,13 @@ def compare(base: dict[str, Any], cand: dict[str, Any], margin: float) -> tuple[
         a, b = float(base[key]), float(cand[key])
         lines.append(f"  {label:12} {a:10.5f} {b:10.5f} {b - a:+10.5f}")
     if why := misfit(base):
-        lines.append(f"  refused: the default {why}")
-        return False, "\n".join(lines)
+        # a default near chance says nothing against a candidate that fits the rows (they are
+        # the candidate's own unseen ones by default): it is the default that is bad
+        if cand_why := misfit(cand):
+            lines.append(f"  refused: neither fits these rows; the candidate {cand_why}")
+            return False, "\n".join(lines)
+        lines.append(f"  accepted: the default {why.split(':')[0]}, the candidate does not")
+        return True, "\n".join(lines)
     change = float(cand["auc"]) - float(base["auc"])
     ok = change >= -margin
     lines.append(

@@ -16,7 +16,9 @@
    lower by more than ``--margin``, it is **refused**: removed from the plan and unregistered;
    the default keeps all traffic, and the command exits 1. The default is scored first, before
    step 1: when it scores near chance itself (canary.py ``misfit``: AUC < 0.55 or NE > 1), the
-   evaluation data does not fit the model and the rollout is refused before anything changes;
+   candidate passes step 3 only if it does not (a bad default must not block a better
+   candidate: before, a default the gate had refused, served again after a restart, refused
+   every candidate "because the data does not fit"); when neither fits, it is refused;
 4. **shift** the requests that name no version in ``--steps`` (default 5% -> 50% -> 100%),
    ``--dwell-s`` at each, checking that the candidate stays ready and that its error ratio
    (the gateway's ``version_requests_total{model_version,code}``) exceeds the default's by at
@@ -296,9 +298,9 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
                 return report
             base = evaluate_version(cfg, stack, old, window)
             report["evaluation"]["default"] = base
-            if why := canary.misfit(base):
-                say(f"refused: v{old} (the default) {why}; nothing changed")
-                return report
+            if why := canary.misfit(base):  # the candidate must fit them itself, step 3
+                say(f"v{old} (the default) {why.split(': the evaluation')[0]}: v{target} is "
+                    "promoted only if it fits these rows itself")  # fmt: skip
         if not cfg.rollback and target != plan.kept:
             plan = release_previous(plan, cfg, stack, gw)
         say(f"[1/6] register {mar} on {len(stack.replicas)} replica(s)")

@@ -50,6 +50,7 @@ from serving.plan import PLAN_FILE
 from serving.tools.channel import for_gateway
 from serving.tools.client import health
 from serving.tools.recorded import recorded, replica_name, still_ours, survey
+from serving.tools.restart_plan import plan_to_serve
 from serving.tools.state import STATE, WORKDIR, WORKDIR_ENV, gateway_config, read_state, replicas
 from serving.torchserve import manage, process
 from serving.torchserve.config import TorchServeConfig, on_free_ports, resolve_model
@@ -74,6 +75,8 @@ class ServeConfig:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     """The gateway in front of it (backend and key_file are set from [torchserve]; its
     auth.token_file defaults to ``<workdir>/gateway_token``, created mode 0600 if missing)."""
+    from_export: bool = False
+    """Serve the export alone; off: the plan served last, when it can be (restart_plan.py)."""
     client: ChannelConfig = field(default_factory=ChannelConfig)
     """How ``start`` and ``status`` reach the gateway (``RECSYS_CLIENT_TLS_*``); with the
     gateway's TLS on, what is left empty comes from its [gateway.tls] files
@@ -174,8 +177,6 @@ def _write_state(workdir: Path, **update: Any) -> None:
 
 
 # --- commands --------------------------------------------------------------------------------------
-
-
 def replica_configs(cfg: ServeConfig, schema: Schema, plan_file: Path) -> list[TorchServeConfig]:
     """[torchserve] resolved for each replica: model from the schema, the plan file, and (past
     the first) free loopback ports (none the stack names) and a state folder of its own."""
@@ -230,15 +231,13 @@ def start(cfg: ServeConfig) -> str:
     ts = reps[0]
     (cfg.workdir / STATE).unlink(missing_ok=True)
     try:
-        mar = ts.model_store / ts.mar
-        served = plan_io.single(plan_io.read_mar_schema(mar), ts.mar)
-        if (served.model, served.default) != (ts.model_name, ts.model_version):
-            raise ValueError(
-                f"{mar} holds {served.model} v{served.default}, not {ts.model_name} "
-                f"v{ts.model_version}"
-            )
+        served, note = plan_to_serve(
+            plan_file, ts.model_store, ts.mar, (ts.model_name, ts.model_version), cfg.from_export
+        )
+        if note:
+            print(note, flush=True)
         # one generation past the plan a previous run left: generations only ever increase
-        plan_io.update(plan_file, lambda _: served)
+        served = plan_io.update(plan_file, lambda _: served)
         started: list[dict[str, Any]] = []
         procs = []
         for r in reps:  # recorded one by one: a failed start stops those already started
@@ -270,9 +269,9 @@ def start(cfg: ServeConfig) -> str:
         stop(cfg.workdir)
         raise RuntimeError(f"{e}\n(logs: {cfg.workdir}, {ts.workdir})") from None
     return (
-        f"serving {ts.model_name} v{ts.model_version}: gateway {local_target(gw)}"
-        f" (token {gw.auth.token_file}), TorchServe gRPC {gw.backend}"
-        f" (state {cfg.workdir}, plan {plan_file})"
+        f"serving {served.model} v{served.default}: gateway {local_target(gw)}"
+        f" (token {gw.auth.token_file}), TorchServe gRPC {gw.backend} (state {cfg.workdir}, plan"
+        f" {plan_file})"
     )
 
 
