@@ -172,10 +172,12 @@ def built_once(
 
 def _train_and_export(folder: Path, data: list[str]) -> str:
     """The tiny model trained on 2 ranks (C1 column-wise), then exported as version 1.0 into
-    its own model store: ``folder/run``, ``folder/store``; the export's stdout. Built as one
+    its own model store, both cold (no warm Python): ``folder/run``, ``folder/store``; the export's stdout. Built as one
     step so that no test copies the run while its export is being written."""
     run, store = folder / "run", folder / "store"
-    run_train([*EXPORT_TINY, "--run-dir", str(run), *data, *SHARDED], nproc=2)
+    # cold, as the export below: every run of the suite (CI's included) starts torchrun's
+    # ranks and the export as a user's shell does, so what the warm Python hides shows here
+    run_train([*EXPORT_TINY, "--run-dir", str(run), *data, *SHARDED], nproc=2, cold=True)
     proc = run_export(
         ["--run-dir", str(run), "--model-store", str(store), "--version", "1.0"], cold=True
     )

@@ -109,3 +109,52 @@ def test_only_this_suites_old_temp_roots_are_removed(tmp_path: Path) -> None:
         os.utime(d, (day_ago, day_ago))
     assert remove_old_roots(tmp_path) == [ours]
     assert foreign.is_dir() and young.is_dir() and not ours.exists()
+
+
+THREAD_MOD = """
+import threading, time, pathlib, sys
+def late():
+    time.sleep(3)
+    pathlib.Path(sys.argv[1]).write_text("written after main returned")
+threading.Thread(target=late, name="late-writer").start()  # not a daemon: exit waits for it
+"""
+
+MODULES_MOD = """
+import sys
+print(sorted(m for m in sys.modules
+             if m.split(".")[0] in ("training", "serving", "recsys_stack", "recsys_model")))
+import torch
+print(hasattr(torch.distributed, "checkpoint") and "checkpoint" in dir(torch.distributed))
+"""
+
+
+def test_a_warm_run_waits_for_its_non_daemon_threads_as_a_cold_one(tmp_path: Path) -> None:
+    """Issue 46 item 7: the warm child ran the atexit handlers and ``os._exit``-ed, so a run
+    leaving a non-daemon thread behind passed warm (68 s) and hung cold. Now it waits as a cold
+    Python does, and names the threads it waits for."""
+    (tmp_path / "late_thread.py").write_text(THREAD_MOD)
+    runs = {}
+    for cold in (False, True):
+        out = tmp_path / f"out-{cold}"
+        t0 = time.monotonic()
+        proc = warm.run_module("late_thread", [str(out)], tmp_path, _env(), 120, cold=cold)
+        runs[cold] = (proc, time.monotonic() - t0, out)
+    for cold, (proc, took, out) in runs.items():
+        assert proc.returncode == 0, (cold, proc.stderr)
+        assert took >= 2.5 and out.read_text() == "written after main returned", (cold, took)
+    assert "waiting at exit for non-daemon threads ['late-writer']" in runs[False][0].stderr
+
+
+def test_a_warm_run_starts_with_no_project_module_loaded(tmp_path: Path) -> None:
+    """Issue 46 item 7: the warm server preloaded project modules and torch submodules, so a
+    missing ``import torch.distributed.checkpoint`` passed warm and failed cold. Now it
+    preloads third-party packages only: what a run sees of the project is what it imports."""
+    (tmp_path / "modules_seen.py").write_text(MODULES_MOD)
+    hot, cold = (warm.run_module("modules_seen", [], tmp_path, _env(), 120, cold=c)
+                 for c in (False, True))  # fmt: skip
+    assert hot.returncode == cold.returncode == 0, (hot.stderr, cold.stderr)
+    assert hot.stdout.splitlines()[0] == cold.stdout.splitlines()[0] == "[]", (
+        hot.stdout,
+        cold.stdout,
+    )
+    assert all(p not in warm.PRELOAD for p in ("torch.distributed.checkpoint", "training.config"))

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from serving.tools import evaldata
+from tests import warm
 from tests.conftest import ROOT, VENV_BIN, _env
 from training.continuous.figure import draw
 from training.continuous.file_loop import KILL_AT_STEP_ENV
@@ -33,12 +34,19 @@ SMALL = 10 * 256  # rows of a small day: 10 batches, none carried
 
 
 def run_continuous(
-    args: list[str], nproc: int = 2, env: dict[str, str] | None = None, check: bool = True
+    args: list[str],
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    cold: bool = False,
 ) -> subprocess.CompletedProcess[str]:
+    """``torchrun -m training.continuous`` on the tiny config; its ranks start from the warm
+    Python (tests/warm.py) unless ``cold``."""
     cmd = [str(VENV_BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
            "-m", "training.continuous", "--config", "training/configs/tiny.toml",
            "--no-progress", *args]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=300)
+    run_env = warm.cold_env(_env(env)) if cold else _env(env)
+    proc = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-4000:]}")
     return proc
@@ -109,7 +117,8 @@ def cont(days: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
     run_continuous(
         ["--run-dir", str(run), "--data-dir", str(inbox), f'data.cache_dir="{base / "cache"}"',
          "data.max_bad_rows=5", "train.keep_last=10", f"continuous.export_every={DAYS - 1}",
-         f'continuous.serve_dir="{serve}"', f'continuous.export_args=["--parity-rows", "{ROWS}"]']
+         f'continuous.serve_dir="{serve}"', f'continuous.export_args=["--parity-rows", "{ROWS}"]'],
+        cold=True,  # the loop's one cold run in the suite (its export too): no warm Python
     )  # fmt: skip
     return run, inbox, store
 
