@@ -52,6 +52,11 @@ class ExportConfig:
     parity_rows: int = 20_000
     """Held-out rows for the parity check (the run's eval split unless eval_data), each
     scored once by every variant: its cost is rows x variants (printed in the report)."""
+    unserved_parity_rows: int = 2_000
+    """Rows (the first of the parity rows) on which variants this machine does not serve are
+    checked: the fp16 tables on a machine without CUDA (CUDA workers load them; fp16 on a CPU
+    scored 20,000 rows in 391 s of a 488 s demo export). Their ``|ΔAUC|`` is against the
+    reference on the same rows; 0 = all the parity rows."""
     latency: bool = False
     """Also time every variant in-process (p50/p99 at batch 1, 100 and 512, 50 rounds; always
     when cpu_variant = fastest). Off by default: at the criteo-kaggle shape it took 146 s of
