@@ -313,3 +313,41 @@ def test_variants_this_machine_does_not_serve_are_checked_on_a_sample(
     assert parity["rows_by_variant"]["fp16"] == 300, parity["rows_by_variant"]
     assert parity["rows_by_variant"]["int8"] == 2000
     assert abs(parity["auc"]["fp16"] - parity["auc"]["eager"]) < 0.05  # on 300 rows vs 2,000
+
+
+def test_ctrl_c_ends_an_export_at_once_in_one_line_and_leaves_nothing(
+    trained: Path, tmp_path: Path
+) -> None:
+    """Issue 46 item 5: Ctrl-C on `make export` printed a 10-frame KeyboardInterrupt traceback
+    and took ~60 s to take effect. Now: one line, exit 130 within seconds, no temporary folder
+    left in the run or the model store, nothing exported."""
+    import signal
+    import time
+
+    run, store = _copy_run(trained, tmp_path / "run"), tmp_path / "store"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "training.export", "--run-dir", str(run), "--model-store",
+         str(store), "--version", "1.0", "--latency", "--no-progress"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not list(run.glob(".export.tmp-*")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        assert list(run.glob(".export.tmp-*")), "the export never started its work"
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    print(err[-2000:], f"took {took:.2f} s")
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+        "interrupted (Ctrl-C)"
+    )
+    assert took < 10, took
+    assert not list(run.glob(".export*")) and not (run / "export").exists()
+    assert not store.exists() or not list(store.iterdir())

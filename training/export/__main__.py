@@ -8,15 +8,22 @@ field (``--run-dir``, ``--formats``, ``--no-archive``, ...) and ``key=value`` ov
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import signal
 import sys
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from recsys_stack import config as shared
 from recsys_stack import logs
 from training.config import load_stage_config
 from training.errors import RecsysError
 from training.export.config import ExportConfig
+
+T = TypeVar("T")
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, what a shell reports for a Ctrl-C'd command
 
 
 def format_report(summary: dict[str, Any]) -> str:
@@ -96,16 +103,57 @@ def parse_args(argv: Sequence[str] | None = None) -> ExportConfig:
     return ecfg
 
 
+INTERRUPTED = (
+    "interrupted (Ctrl-C): nothing was exported; the run's last export and the model store are "
+    "as they were (run the same command again to export)"
+)
+
+
+def interruptible(fn: Callable[[], T]) -> T:
+    """``fn()`` in a worker thread, the main thread waiting in short steps: a Ctrl-C is seen
+    within 0.1 s even while the worker is inside one long torch call (it took ~60 s to take
+    effect, then a 10-frame traceback). On Ctrl-C the export's temporary folders are removed,
+    one line is printed and the process exits 130 (the worker cannot be stopped: ``os._exit``;
+    an export is only ever swapped in whole, training/export/pipeline.py)."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            result.append(fn())
+        except BaseException as e:  # handed to the main thread as it is
+            error.append(e)
+
+    worker = threading.Thread(target=work, name="export", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.1)
+    except KeyboardInterrupt:
+        from training.export.pipeline import TEMPORARY
+
+        for path in TEMPORARY:
+            shutil.rmtree(path, ignore_errors=True)
+        print(INTERRUPTED, file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
+    if error:
+        raise error[0]
+    return result[0]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         ecfg = parse_args(argv)  # before torch: a --help or a bad flag answers at once
         from training.export.pipeline import logger, run_export
 
         logs.configure()  # after torch's import, which sets its loggers' levels of its own
-        summary = run_export(ecfg)
+        summary = interruptible(lambda: run_export(ecfg))
     except RecsysError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the worker started (the imports)
+        print(INTERRUPTED, file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(format_report(summary))
     logger.debug("config %s", shared.to_dict(ecfg))
     return 0

@@ -54,6 +54,9 @@ REDUCED = ("int8", "int4", "mixed", "fp16", "ts_int8", "portable_fp16")
 # What a CUDA worker loads, carried in the .mar beside the CPU variant: the mapped fp16 tables
 # (copied to the device), else the portable TorchScript pair of an export that has one.
 CUDA_VARIANTS = (("fp16",), ("portable", "portable_fp16"))
+# this process's folders of an export in progress (its own build and the archive's staging):
+# removed when the export is interrupted, as its own finally would
+TEMPORARY: list[Path] = []
 # variants only CUDA workers serve (their parity on a CPU: a sample, unserved_parity_rows)
 GPU_ONLY = ("fp16", "portable_fp16")
 LATENCY_BATCH = "100"  # the batch size variants are compared (and the CPU's fastest chosen) at
@@ -212,6 +215,7 @@ def run_export(ecfg: ExportConfig) -> dict[str, Any]:
     tmp = run_dir / f".export.tmp-{os.getpid()}"
     aside = run_dir / f".export.old-{os.getpid()}"
     staging = ecfg.model_store / f".export-{os.getpid()}"
+    TEMPORARY[:] = [tmp, staging]  # what an interrupt removes (training/export/__main__.py)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     mar = None
