@@ -101,6 +101,10 @@ class IsolationConfig:
     """An abuser's wait for an answer before counting ``timeout``."""
     gateway_nofile: int = 1024
     """The gateway's soft open-files limit (hard unchanged); 0 = inherited."""
+    gateway_code: Path | None = None
+    """The checkout whose ``serving/`` the gateway runs (first on its PYTHONPATH): another
+    worktree's gateway measured by this bench; default this checkout (not the venv's editable
+    install, which may point elsewhere)."""
     export: Path | None = None
     """An export folder whose ``<name>-<version>.mar`` is in ``--model-store`` (default: train
     ``--preset`` for ``--train-steps`` steps and export it, ~15 s for tiny)."""
@@ -227,7 +231,8 @@ def bench(cfg: IsolationConfig, work: Path, stack: contextlib.ExitStack) -> dict
     logger.info("starting TorchServe and the gateway (TLS, 2 tokens, soft nofile %s)",
                 cfg.gateway_nofile or "inherited")  # fmt: skip
     up = start_stack(export, store, (model.name, model.version), cfg.torchserve, cfg.gateway,
-                     work, cfg.gateway_nofile, cfg.startup_timeout_s, stack)  # fmt: skip
+                     work, cfg.gateway_nofile, cfg.startup_timeout_s, stack,
+                     (cfg.gateway_code or ROOT).resolve())  # fmt: skip
     clients = work / "clients"
     clients.mkdir()
     if cfg.warmup_s:
@@ -257,7 +262,8 @@ def bench(cfg: IsolationConfig, work: Path, stack: contextlib.ExitStack) -> dict
            "log_bytes_end": up.log_bytes(), "log_growth_bytes": up.log_bytes() - log_start,
            "gateway_exit": up.proc.poll()}  # fmt: skip
     settings = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": _commit(), "gateway_code": up.gateway_code,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": _commit(),
+        "gateway_code": up.gateway_code,
         "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "model": {"name": model.name, "version": model.version, "export": str(export),

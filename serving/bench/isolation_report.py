@@ -125,7 +125,8 @@ def summary(result: dict[str, Any]) -> str:
     return (
         f"gateway log: +{_bytes(run['log_growth_bytes'])} over the rows "
         f"({_bytes(run['log_bytes_end'])} in all); gateway RSS {_bytes(run['rss_start'])} at "
-        f"start -> {_bytes(run['rss_end'])} at end; load average "
+        f"start -> {_bytes(run['rss_end'])} at end; its open-files limit (soft, hard) "
+        f"{tuple(s['gateway_nofile'])}; load average "
         f"{'/'.join(f'{x:.1f}' for x in s['loadavg_before'])} before, "
         f"{'/'.join(f'{x:.1f}' for x in s['loadavg_after'])} after "
         f"({s['usable_cores']} usable cores)"

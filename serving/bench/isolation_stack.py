@@ -148,7 +148,7 @@ class Stack:
 
 def start_stack(
     export: Path, store: Path, model: tuple[str, str], ts: TorchServeConfig, gcfg: GatewayConfig,
-    work: Path, nofile: int, timeout: float, stack: contextlib.ExitStack,
+    work: Path, nofile: int, timeout: float, stack: contextlib.ExitStack, code: Path = ROOT,
 ) -> Stack:  # fmt: skip
     """TorchServe serving ``model`` (name, version) from ``store`` and the gateway in front of
     it (TLS, two tokens, REST and metrics on free ports, soft open-files limit ``nofile``), both
@@ -172,10 +172,11 @@ def start_stack(
     )  # fmt: skip
     log_dir = work / "gateway-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    # in its log folder (a file it writes beside itself counts as log), this checkout's code
-    # first on its path (not whichever one the venv's editable install points to)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
+    # in its log folder (a file it writes beside itself counts as log), ``code``'s serving/
+    # first on its path (not whichever checkout the venv's editable install points to), and
+    # no bytecode written into that checkout
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": os.pathsep.join(
+        [str(code), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
     source = subprocess.run(
         [sys.executable, "-c", "import serving.gateway as g; print(g.__file__)"], cwd=log_dir,
         env=env, capture_output=True, text=True, check=True,
