@@ -229,6 +229,15 @@ FRESHNESS_ARGS ?=
 bench-freshness: setup  ## delta vs full re-export at the demo and criteo-kaggle shapes: rows, bytes, freshness_s, failed calls, max |diff| [FRESHNESS_ARGS]
 	$(PY) -m loadtest.freshness $(FRESHNESS_ARGS)
 
+# Issue 45: one client's abuse must cost another client nothing. A legitimate client measured
+# alone, then beside each abuser in turn (another tenant's largest requests, calls without a
+# token, idle TLS connections past the gateway's open-files limit, /metrics scrapes, JSON bombs,
+# malformed HTTP, plaintext to the TLS port): reports/bench-isolation/.
+.PHONY: bench-isolation
+ISOLATION_ARGS ?=
+bench-isolation: setup  ## legit client alone vs beside 8 abusers: success %, p99/alone, log growth, gateway RSS (reports/bench-isolation/) [ISOLATION_ARGS]
+	$(PY) -m serving.bench.isolation $(ISOLATION_ARGS)
+
 # The suite in TEST_WORKERS parallel pytest-xdist workers (most tests wait on processes they
 # started: TorchServe, torchrun, Locust; 3 on 2 cores overlap those waits). TEST_WORKERS=0: one
 # process.

@@ -41,6 +41,13 @@ def build_model(workdir: Path, max_rows: int) -> tuple[Path, Path]:
          "--name", "bench", "--version", "1", "--parity-rows", "4000",
          "--formats", '["int8", "fp16", "fp32", "torchscript"]'],
     ]  # fmt: skip
+    run_modules(steps)
+    return run / "export", store
+
+
+def run_modules(steps: list[list[str]]) -> None:
+    """``python -m step`` for each step in turn, in the repository; RuntimeError with the tail
+    of its stderr at the first that fails."""
     for args in steps:
         proc = subprocess.run(
             [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True
@@ -48,7 +55,6 @@ def build_model(workdir: Path, max_rows: int) -> tuple[Path, Path]:
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.splitlines()[-15:])
             raise RuntimeError(f"python -m {args[0]} exited {proc.returncode}:\n{tail}")
-    return run / "export", store
 
 
 @dataclass(frozen=True)

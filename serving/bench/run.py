@@ -12,7 +12,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -206,20 +206,18 @@ def _sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through the ExitStack: every server stopped
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point (``recsys-bench-serving``, ``make bench``)."""
-    try:
-        cfg = parse(BenchConfig, argv, "python -m serving.bench", DESCRIPTION)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    logs.configure(fmt="%(message)s")
+def stopping_all(
+    prefix: str, body: Callable[[Path, contextlib.ExitStack], dict[str, Any]]
+) -> dict[str, Any] | int:
+    """``body(work, stack)`` with a scratch folder ``/tmp/<prefix>...`` (removed after) and an
+    ``ExitStack`` on which it registers every process it starts: all stopped on return, error,
+    Ctrl-C or SIGTERM. Its result, or the exit code once the error is printed."""
     previous = signal.signal(signal.SIGTERM, _sigterm)
-    work = Path(tempfile.mkdtemp(prefix="srvbench-", dir="/tmp"))  # short: TorchServe's sockets
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))  # short: TorchServe's sockets
     try:
         with contextlib.ExitStack() as stack:
             stack.callback(shutil.rmtree, work, ignore_errors=True)
-            out = bench(cfg, work, stack)
+            return body(work, stack)
     except (RuntimeError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -228,6 +226,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point (``recsys-bench-serving``, ``make bench``)."""
+    try:
+        cfg = parse(BenchConfig, argv, "python -m serving.bench", DESCRIPTION)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logs.configure(fmt="%(message)s")
+    out = stopping_all("srvbench-", lambda work, stack: bench(cfg, work, stack))
+    if isinstance(out, int):
+        return out
     print(settings_text(out["settings"]))
     print()
     print(table(out["results"]))
