@@ -62,6 +62,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 HELP = ("-h", "--help")
 
 
+def check_early(parse: Callable[[list[str]], object]) -> None:
+    """For a stage run as ``python -m``, before its module imports torch (5-10 s of CPU, minutes
+    on a loaded machine): ``parse`` (the stage's torch-free parser) this process's arguments,
+    and a bad config is one line and exit 2 at once (from rank 0 only under torchrun). A good
+    one is parsed again by the stage's ``main``; ``--help`` answers here."""
+    import os
+
+    from training.errors import RecsysError
+
+    try:
+        parse(sys.argv[1:])
+    except RecsysError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _stage(argv: Sequence[str] | None, parse: Callable[[list[str]], object], module: str) -> int:
     """``module.main(argv)``, after ``parse(argv)`` has printed the help (and exited 0) when
     ``argv`` asks for it: ``parse`` is the stage's torch-free parser, ``module`` imports torch."""

@@ -12,6 +12,12 @@ and the checkpointer called when due; the final record gets the linear baseline'
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a bad config in one line before torch's import (issue 46 item 4)
+    from training.config import parse_args as _parse
+    from training.launch import check_early
+
+    check_early(_parse)
+
 import datetime
 import json
 import logging

@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a bad config in one line before torch's import
+    from training.continuous.config import parse_args as _parse
+    from training.launch import check_early
+
+    check_early(_parse)
+
 import json
 import os
 import sys
