@@ -39,11 +39,9 @@ from typing import Any
 import torch
 
 try:  # inside a TorchServe worker the archive's files sit side by side
-    from features import hash_values  # type: ignore[import-not-found]
-    from mapped import _OPS, MappedScorer, row_bytes  # type: ignore[import-not-found]
+    from mapped import MappedScorer, _bag, row_bytes  # type: ignore[import-not-found]
 except ImportError:
-    from recsys_model.features import hash_values
-    from recsys_model.mapped import _OPS, MappedScorer, row_bytes
+    from recsys_model.mapped import MappedScorer, _bag, row_bytes
 
 DELTA_FORMATS = ("int8", "int4")  # the overlay pools with the rowwise kernels' weights
 POINTER = "current.json"  # the chain a deltas folder serves (replaced by rename)
@@ -117,25 +115,20 @@ class OverlayScorer(MappedScorer):
     label: str = ""
 
     def pooled(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The base's rows, with each id the overlay holds taken from the overlay instead:
+        one bag over the base with weight 0 on those ids, plus one over the overlay's rows."""
         self.check_tables()
         fmt, grid, _, _ = self.sections[0]
-        batch = lengths.shape[1]
-        per_feature = lengths.to(torch.int64).sum(dim=1)
-        ids = hash_values(values, lengths, self.rows)
-        ids = ids + torch.repeat_interleave(self.routes[1], per_feature)
-        lens = lengths.reshape(-1).to(torch.int64)
-        offsets = torch.cumsum(lens, 0) - lens
-        kernel = getattr(torch.ops.quantized, _OPS[fmt][2])
+        ids, _ = self.global_ids(values, lengths)
         pos = torch.searchsorted(self.ov_ids, ids).clamp_(max=max(self.ov_ids.numel() - 1, 0))
         hit = self.ov_ids[pos] == ids if self.ov_ids.numel() else ids < 0
         if not bool(hit.any()):
-            out = kernel(grid, ids, offsets, False, 0, False, None, None, False)
+            out = _bag(fmt, grid, ids, lengths)
         else:
             w = hit.float()
-            out = kernel(grid, ids, offsets, False, 0, False, 1.0 - w, None, False)
-            out = out + kernel(self.ov_rows, torch.where(hit, pos, 0), offsets, False, 0, False,
-                               w, None, False)  # fmt: skip
-        return out.reshape(self.num_features, batch, self.dim).transpose(0, 1)
+            out = _bag(fmt, grid, ids, lengths, 1.0 - w)
+            out = out + _bag(fmt, self.ov_rows, torch.where(hit, pos, 0), lengths, w)
+        return self.unflatten(out, lengths.shape[1])
 
 
 def overlay(

@@ -311,34 +311,51 @@ class MappedScorer(PortableScorer):
             "export's; replace model files by rename and load the model again"
         )
 
+    def global_ids(
+        self, values: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(row ids int64[N] in the concatenated tables, ids per feature int64[F])``."""
+        per_feature = lengths.to(torch.int64).sum(dim=1)
+        ids = hash_values(values, lengths, self.rows)
+        return ids + torch.repeat_interleave(self.routes[1], per_feature), per_feature
+
+    def unflatten(self, out: torch.Tensor, batch: int) -> torch.Tensor:
+        """Pooled rows ``[F*B, E]`` (feature-major) -> ``[B, F, E]``."""
+        return out.reshape(self.num_features, batch, self.dim).transpose(0, 1)
+
     def pooled(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         self.check_tables()
         if not self.sections:
             return super().pooled(values, lengths)
         batch = lengths.shape[1]
-        per_feature = lengths.to(torch.int64).sum(dim=1)
-        ids = hash_values(values, lengths, self.rows)
-        which, first = self.routes  # each table's section and first row in it, int64[F]
-        ids = ids + torch.repeat_interleave(first, per_feature)
+        ids, per_feature = self.global_ids(values, lengths)  # each table's first row added
         if len(self.sections) == 1:  # every table in one format: one call, no gather
-            out = _bag(*self.sections[0][:2], ids, lengths)
-            return out.reshape(self.num_features, batch, self.dim).transpose(0, 1)
-        which = torch.repeat_interleave(which, per_feature)  # ids stay feature-major in each
+            return self.unflatten(_bag(*self.sections[0][:2], ids, lengths), batch)
+        which = torch.repeat_interleave(self.routes[0], per_feature)  # feature-major in each
         out = torch.empty(self.num_features, batch, self.dim)
         for k, (fmt, grid, feats, _) in enumerate(self.sections):
             out[feats] = _bag(fmt, grid, ids[which == k], lengths[feats]).view(-1, batch, self.dim)
         return out.transpose(0, 1)
 
 
-def _bag(fmt: str, grid: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Sum-pooled fp32 rows ``[k*B, E]`` of ``grid``'s rows ``ids`` in bags of ``lengths``."""
+def _bag(
+    fmt: str,
+    grid: torch.Tensor,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sum-pooled fp32 rows ``[k*B, E]`` of ``grid``'s rows ``ids`` in bags of ``lengths``,
+    each row scaled by its ``weights`` (float32[N]) when given."""
     lens = lengths.reshape(-1).to(torch.int64)
     offsets = torch.cumsum(lens, 0) - lens
     if fmt in _OPS:
         kernel = getattr(torch.ops.quantized, _OPS[fmt][2])
-        return kernel(grid, ids, offsets, False, 0, False, None, None, False)  # type: ignore[no-any-return]
+        return kernel(grid, ids, offsets, False, 0, False, weights, None, False)  # type: ignore[no-any-return]
     weight = grid.view(_DTYPES[fmt])
-    return torch.nn.functional.embedding_bag(ids, weight, offsets, mode="sum").float()
+    return torch.nn.functional.embedding_bag(
+        ids, weight, offsets, mode="sum", per_sample_weights=weights
+    ).float()
 
 
 def load_mapped(path: Path, device: torch.device, verify: bool = True) -> MappedScorer:
