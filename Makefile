@@ -27,7 +27,9 @@ CHECKPOINT ?=
 
 .PHONY: setup lock train export serve stop score loadtest demo bench test lint fmt clean help
 help:  ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' \
+	  '{ n[NR] = $$1; d[NR] = $$2; if (length($$1) > w) w = length($$1) } \
+	  END { for (i = 1; i <= NR; i++) printf "  %-*s  %s\n", w, n[i], d[i] }'
 
 setup: $(VENV)/.installed  ## create .venv from requirements/lock.txt (CPU fbgemm, or CUDA where a GPU is visible)
 

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recsys_model.atomic import write_atomic
+
 PREFIX_ENV = "LOADTEST_REPORT_PREFIX"
 FAILED = " (failed)"  # appended to a failed call's name in Locust's stats
 FINAL = "_final.json"
@@ -96,9 +98,7 @@ def prefix(environment: Any) -> str | None:
 
 
 def _write(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(path)  # whole or absent, never half a file
+    write_atomic(path, json.dumps(doc, indent=2) + "\n")  # whole or absent, never half
 
 
 def write_final(environment: Any, where: str) -> None:

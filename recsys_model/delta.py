@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -39,8 +38,10 @@ from typing import Any
 import torch
 
 try:  # inside a TorchServe worker the archive's files sit side by side
+    from atomic import write_atomic  # type: ignore[import-not-found]
     from mapped import MappedScorer, _bag, row_bytes  # type: ignore[import-not-found]
 except ImportError:
+    from recsys_model.atomic import write_atomic
     from recsys_model.mapped import MappedScorer, _bag, row_bytes
 
 DELTA_FORMATS = ("int8", "int4")  # the overlay pools with the rowwise kernels' weights
@@ -57,12 +58,7 @@ def write_delta(path: Path, delta: dict[str, Any]) -> dict[str, Any]:
     buf = io.BytesIO()
     torch.save(delta, buf)
     data = buf.getvalue()
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, data)
     return {"file": path.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
             "rows": int(delta["ids"].numel()), "version": delta["version"]}  # fmt: skip
 
@@ -172,9 +168,7 @@ def write_pointer(folder: Path, chain: list[dict[str, Any]]) -> dict[str, Any]:
     old pointer or the new one, never half); the pointer written."""
     pointer = {"base": folder.name, "version": chain[-1]["version"] if chain else "",
                "chain": chain, "time": time.time()}  # fmt: skip
-    tmp = folder / f".{POINTER}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(pointer, indent=1))
-    os.replace(tmp, folder / POINTER)
+    write_atomic(folder / POINTER, json.dumps(pointer, indent=1))
     return pointer
 
 

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from recsys_model.atomic import write_atomic
+
 PLAN_FILE = "plan.json"
 
 
@@ -230,9 +232,7 @@ def file_generation(path: Path) -> int | None:
 
 
 def _replace(plan: Plan, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one writer at a time: the lock
-    tmp.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(plan.to_json(), indent=2) + "\n")  # one writer: the lock
 
 
 def save(plan: Plan, path: Path) -> None:

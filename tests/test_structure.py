@@ -26,10 +26,10 @@ MAX_LINES = 400
 # depends on the device, torchrec is installed with --no-deps.
 INSTALLED_BY_MAKE_SETUP = {"fbgemm_gpu", "torchrec"}
 # Imported only inside a TorchServe worker, from the archive's own folder, where the export packs
-# serving/worker/{codec,scoring,deltas}.py and recsys_model/{features,mapped,portable_model,delta}.py
-# flat.
-ARCHIVE_LOCAL = {"codec", "delta", "deltas", "features", "mapped", "portable_model", "scoring",
-                 "torch_codec"}  # fmt: skip
+# serving/worker/{codec,scoring,deltas}.py and recsys_model/{features,mapped,portable_model,delta,
+# atomic}.py flat.
+ARCHIVE_LOCAL = {"atomic", "codec", "delta", "deltas", "features", "mapped", "portable_model",
+                 "scoring", "torch_codec"}  # fmt: skip
 
 
 def modules() -> dict[str, Path]:

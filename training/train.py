@@ -247,10 +247,11 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
     )
     check_batch(cfg.train.batch_size, len(train_arrays), world)  # before the tables are built
     trainer = build_trainer(cfg, device)
-    if rank == 0:
-        logger.info(
-            "sharding plan (%d ranks, %s):\n%s", world, device.type, format_plan(trainer.plan)
-        )
+    if rank == 0:  # 26 lines at the demo shape: the summary by default, the plan with -v
+        tables, plan = len(cfg.model.rows()), format_plan(trainer.plan)
+        logger.info("sharding plan: %d tables on %d ranks (%s); -v prints it", tables, world,
+                    device.type)  # fmt: skip
+        logger.debug("sharding plan (%d ranks, %s):\n%s", world, device.type, plan)
     progress = checkpoint.Progress()
     run_meta = {
         "config": config_to_dict(cfg),

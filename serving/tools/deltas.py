@@ -1,6 +1,6 @@
 """``python -m serving.tools.deltas``: move the running stack to an embedding delta, or back.
 
-``publish --file F`` appends the delta ``F`` (written by ``python -m training.export.delta`` into
+``publish --record JSON`` appends the delta its record names (written by ``python -m training.export.delta`` into
 ``<store>/deltas/<model>/<default version>/``) to that folder's chain: the pointer
 (``current.json``) is replaced by rename, every worker of every replica picks it up within
 ~0.2 s, builds the new version beside the old and swaps it in whole (serving/worker/deltas.py),

@@ -5,11 +5,11 @@ model's data (serving/tools/evaldata.py). No process is started or asked anythin
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from recsys_model.atomic import write_atomic
 from recsys_stack.config import build
 from serving.gateway.config import GatewayConfig
 from serving.torchserve.config import TorchServeConfig
@@ -58,6 +58,4 @@ def record_kept(workdir: Path, version: str | None) -> None:
         state["kept"] = {"version": version, "since": time.time()}
     else:
         state.pop("kept", None)
-    tmp = workdir / f".{STATE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(state, indent=2) + "\n")
-    tmp.replace(workdir / STATE)
+    write_atomic(workdir / STATE, json.dumps(state, indent=2) + "\n")

@@ -25,8 +25,10 @@ from typing import Any
 import torch
 
 try:  # inside a TorchServe worker the archive's files sit side by side
+    from atomic import write_atomic  # type: ignore[import-not-found]
     from delta import POINTER, DeltaError, merge, overlay, read_delta  # type: ignore[import-not-found]
 except ImportError:
+    from recsys_model.atomic import write_atomic
     from recsys_model.delta import POINTER, DeltaError, merge, overlay, read_delta
 
 logger = logging.getLogger(__name__)
@@ -115,10 +117,9 @@ class Deltas:
         acks = self.folder / "acks"
         try:
             acks.mkdir(exist_ok=True)
-            tmp = acks / f".{os.getpid()}.tmp"
-            tmp.write_text(json.dumps({"pid": os.getpid(), "version": self.label,
-                                       "error": self.error, "time": time.time()}))  # fmt: skip
-            os.replace(tmp, acks / f"{os.getpid()}.json")
+            write_atomic(acks / f"{os.getpid()}.json", json.dumps(
+                {"pid": os.getpid(), "version": self.label, "error": self.error,
+                 "time": time.time()}))  # fmt: skip
         except OSError as e:  # a read-only folder: the describe answer still says it
             logger.warning("cannot write %s: %s", acks, e)
 

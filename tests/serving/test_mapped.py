@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from recsys_model.mapped import drop_cached, load_mapped, pack, save_dense, unpack, write_tables
+from recsys_model.mapped import drop_cached, load_mapped, pack, save_dense, unpack
 from recsys_model.portable_model import PortableScorer
+from recsys_model.table_writer import write_tables
 from tests.conftest import ROOT, _env
 
 F = 26

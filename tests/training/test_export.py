@@ -59,7 +59,7 @@ def test_export_writes_variants_schema_parity_and_mar(exported: tuple[Path, Path
     assert {
         "mapped_int8.pt", "tables_int8.bin", "mapped_fp16.pt", "tables_fp16.bin", "schema.json",
         "handler.py", "codec.py", "mapped.py", "portable_model.py", "features.py",
-        "deltas.py", "delta.py", "MAR-INF/MANIFEST.json",
+        "deltas.py", "delta.py", "atomic.py", "MAR-INF/MANIFEST.json",
     } <= names  # fmt: skip
     assert "tables_fp32.bin" not in names  # the fp32 tables rebuild the model: not served
     for item in mar.infolist():  # weights stored as they are (one copy to archive or unpack)
@@ -271,7 +271,7 @@ def test_a_corrupt_table_fails_parity_and_exports_nothing_unless_forced(
 ) -> None:
     """A broken export: the int8 writer puts C1's rows in reverse order (an offset bug), the
     other formats are right. Parity, each model scoring the rows once, must refuse it."""
-    from recsys_model.mapped import TableWriter
+    from recsys_model.table_writer import TableWriter
     from training.export.__main__ import main
 
     write = TableWriter.write

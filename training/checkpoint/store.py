@@ -51,6 +51,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from recsys_model.atomic import fsync_dir, write_atomic
 from training.checkpoint import rowwise
 from training.errors import CheckpointError
 
@@ -108,24 +109,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def is_complete(path: Path) -> bool:
     return (path / ".metadata").is_file() and (path / META).is_file()
 
@@ -162,8 +145,8 @@ def save(
     dcp.save(state, checkpoint_id=str(tmp))
     if _rank() == 0:
         record = {**meta, "progress": progress.__dict__, "saved_at": time.time()}
-        _write_atomic(tmp / META, json.dumps(record, indent=2, sort_keys=True))
-        _write_atomic(tmp / PLAN, json.dumps(plan, indent=2))
+        write_atomic(tmp / META, json.dumps(record, indent=2, sort_keys=True))
+        write_atomic(tmp / PLAN, json.dumps(plan, indent=2))
         if files is not None:
             files(tmp)
     _barrier()  # every rank's shards are on disk
@@ -176,12 +159,12 @@ def save(
         old = _aside(final)
         if final.exists():  # re-saving a step after a resume: swap the new one in (see top)
             os.replace(final, old)  # latest, if it names final, resolves to old meanwhile
-            _fsync_dir(root)
+            fsync_dir(root)
         os.replace(tmp, final)
-        _fsync_dir(root)
-        _write_atomic(root / LATEST, final.name + "\n")
+        fsync_dir(root)
+        write_atomic(root / LATEST, final.name + "\n")
         if best:
-            _write_atomic(root / BEST, final.name + "\n")
+            write_atomic(root / BEST, final.name + "\n")
         shutil.rmtree(old, ignore_errors=True)
         _prune(root, keep_last)
         logger.info("checkpoint %s saved in %.1fs", final, time.perf_counter() - t0)
@@ -206,7 +189,7 @@ def _recover(root: Path) -> None:
         logger.warning("%s: restoring the checkpoint an interrupted re-save moved aside", final)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(old, final)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -230,7 +213,7 @@ def set_best(root: Path, step: int | None) -> None:
     """Point ``best`` at ``step``'s directory, or remove it (``None``): rank 0, when a resume
     or a fresh start changes which checkpoint of ``root`` is the best of this run."""
     if step is not None:
-        _write_atomic(root / BEST, step_dir_name(step) + "\n")
+        write_atomic(root / BEST, step_dir_name(step) + "\n")
     else:
         (root / BEST).unlink(missing_ok=True)
 

@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from recsys_model.atomic import write_atomic
 from recsys_stack.criteo_rows import EMPTY_LINE
 from training.data.criteo import (
     MAX_EXAMPLES,
@@ -193,8 +194,7 @@ def parse_part(job: Job, part: Part) -> dict[str, Any]:
         "complete": not stopped,
     }
     if not stopped:
-        (out / "done.tmp").write_text(json.dumps(summary))
-        os.replace(out / "done.tmp", out / "done.json")
+        write_atomic(out / "done.json", json.dumps(summary))
     return summary
 
 

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from recsys_model.features import hash_values
-from recsys_model.mapped import MIX_FORMATS, MIXED, layout, pack, save_dense, unpack, write_tables
+from recsys_model.mapped import MIX_FORMATS, MIXED, layout, pack, save_dense, unpack
+from recsys_model.table_writer import write_tables
 from training.data.loader import Arrays
 from training.errors import ConfigError
 from training.export.scorer import raw_inputs

@@ -47,7 +47,7 @@ SAMPLE_ROWS = 1000
 # Modules the handler imports, archived flat beside it (TorchServe puts them on the worker's
 # path): the worker's own, from the handler's folder, and the model's, from recsys_model/.
 HANDLER_MODULES = ("codec.py", "scoring.py", "deltas.py")
-MODEL_MODULES = ("mapped.py", "portable_model.py", "features.py", "delta.py")
+MODEL_MODULES = ("mapped.py", "portable_model.py", "features.py", "delta.py", "atomic.py")
 MODEL_DIR = Path(recsys_model.__file__).parent
 # Reduced precision: judged by |ΔAUC| against the reference; the rest by max |Δp|.
 REDUCED = ("int8", "int4", "mixed", "fp16", "ts_int8", "portable_fp16")

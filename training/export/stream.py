@@ -23,8 +23,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from recsys_model.mapped import TableWriter, load_mapped, save_dense
+from recsys_model.mapped import load_mapped, save_dense
 from recsys_model.portable_model import PortableScorer
+from recsys_model.table_writer import TableWriter
 from recsys_stack.progress import progress as progress_bar
 from training.checkpoint import store as checkpoint
 from training.errors import CheckpointError

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torchrec.metrics.metrics_config import RecComputeMode, RecTaskInfo
 from torchrec.metrics.ne import NEMetric
 
+from recsys_model.atomic import write_atomic
 from recsys_stack.metrics import normalized_entropy, roc_auc
 from training.metrics.tb import Scalars
 
@@ -125,9 +126,7 @@ class MetricsLog:
         if not self.enabled or not self.path.is_file():
             return
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
-        tmp.replace(self.path)
+        write_atomic(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
