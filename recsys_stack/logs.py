@@ -37,6 +37,8 @@ _WARNINGS = (  # (message regex, module regex) pairs of warnings.filterwarnings
     ("", r"(torch|torchrec|fbgemm_gpu)(\.|$)"),
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", ""),
     ("The TorchScript type system", ""),
+    # TorchRec's checkpoints hold ShardedTensors; torch warns at every resume, from our frame
+    ("Please use DTensor instead and we are deprecating ShardedTensor", ""),
 )
 
 
