@@ -90,9 +90,10 @@ def start_torchserve(cfg: TorchServeConfig) -> subprocess.Popen[bytes]:
 
 
 def start_gateway(
-    schema: Path, replicas: Sequence[TorchServeConfig], log: Path, **overrides: Any
+    schema: Path, replicas: Sequence[TorchServeConfig], log: Path, /, **overrides: Any
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """``python -m serving.gateway`` on a free port in front of ``replicas``; (process, target)."""
+    """``python -m serving.gateway`` on a free port in front of ``replicas``; (process, target).
+    (Positional: ``log=`` in ``overrides`` is the gateway's [log] section.)"""
     settings = {
         "backend": ",".join(r.grpc_inference_target for r in replicas),
         "key_file": ",".join(str(r.key_file) for r in replicas),
