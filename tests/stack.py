@@ -28,7 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from recsys_stack.net import free_ports
-from serving.gateway.config import ChannelConfig, GatewayConfig
+from serving.gateway.config import ChannelConfig, GatewayConfig, MetricsConfig
 from serving.stubs import ranker_pb2_grpc
 from serving.tools.client import gateway_status, health
 from serving.tools.supervisor import launch_gateway
@@ -226,7 +226,10 @@ def gateway_metrics(
 ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The gateway's ``/metrics`` on ``port`` as {(sample name, sorted labels): value}, read once
     no call is in flight: a refused call's status reaches its client before the gateway counts
-    it (serving/gateway/metrics.py), so counters read right after the calls may lag by one."""
+    it (serving/gateway/metrics.py), so counters read right after the calls may lag by one.
+    A rendering is served for ``metrics.cache_s`` (1 s): one older than the caller's last
+    calls is waited out first."""
+    time.sleep(MetricsConfig().cache_s + 0.1)
     deadline = time.monotonic() + timeout
     while True:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
