@@ -158,6 +158,9 @@ class RotatingFile:
         self.size = self.f.tell()
 
     def write(self, data: bytes) -> None:
+        if self.f.closed:  # a rotation that failed half-way (the folder gone): try again
+            self.f = open_log(self.path)
+            self.size = self.f.tell()
         if self.max_bytes and self.size and self.size + len(data) > self.max_bytes:
             self.rotate()
         self.f.write(data)
