@@ -24,6 +24,7 @@ each one's key by the address it resolved. Nothing secret is in the image.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -70,17 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: stopping.append(s))
-    offset, copied = 0, -1
+    at, copied = (0, 0), -1
     while True:
-        offset = copy_log(cfg.log_file, offset)
+        at = copy_log(cfg.log_file, at)
         if share:
             copied = share_inference_key(cfg.key_file, Path(share), copied)
         if stopping:
             process.stop(proc)
-            copy_log(cfg.log_file, offset)
+            copy_log(cfg.log_file, at)
             return 0
         if proc.poll() is not None:
-            copy_log(cfg.log_file, offset)
+            copy_log(cfg.log_file, at)
             return proc.returncode or 1
         time.sleep(0.5)
 
@@ -104,8 +105,26 @@ def share_inference_key(keys: Path, out: Path, copied: int) -> int:
     return mtime
 
 
-def copy_log(path: Path, offset: int) -> int:
-    """Write what ``path`` gained since ``offset`` to stdout; returns the new offset."""
+def copy_log(path: Path, at: tuple[int, int]) -> tuple[int, int]:
+    """Write what ``path`` gained since ``at`` (its inode, an offset) to stdout; returns the new
+    position. The log rotates by size (recsys_stack/logpump.py): a new inode means the rest of
+    the old file is ``path.1``, copied first; a shorter file (one file kept), read from 0."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return at
+    ino, offset = at
+    if ino and st.st_ino != ino:
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(f"{path}.1").st_ino == ino:
+                _copy(Path(f"{path}.1"), offset)
+        offset = 0
+    elif st.st_size < offset:
+        offset = 0
+    return st.st_ino, _copy(path, offset)
+
+
+def _copy(path: Path, offset: int) -> int:
     try:
         with open(path, "rb") as f:
             f.seek(offset)

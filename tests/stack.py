@@ -28,7 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from recsys_stack.net import free_ports
-from serving.gateway.config import ChannelConfig, GatewayConfig
+from serving.gateway.config import ChannelConfig, GatewayConfig, MetricsConfig
 from serving.stubs import ranker_pb2_grpc
 from serving.tools.client import gateway_status, health
 from serving.tools.supervisor import launch_gateway
@@ -90,9 +90,10 @@ def start_torchserve(cfg: TorchServeConfig) -> subprocess.Popen[bytes]:
 
 
 def start_gateway(
-    schema: Path, replicas: Sequence[TorchServeConfig], log: Path, **overrides: Any
+    schema: Path, replicas: Sequence[TorchServeConfig], log: Path, /, **overrides: Any
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """``python -m serving.gateway`` on a free port in front of ``replicas``; (process, target)."""
+    """``python -m serving.gateway`` on a free port in front of ``replicas``; (process, target).
+    (Positional: ``log=`` in ``overrides`` is the gateway's [log] section.)"""
     settings = {
         "backend": ",".join(r.grpc_inference_target for r in replicas),
         "key_file": ",".join(str(r.key_file) for r in replicas),
@@ -225,7 +226,10 @@ def gateway_metrics(
 ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The gateway's ``/metrics`` on ``port`` as {(sample name, sorted labels): value}, read once
     no call is in flight: a refused call's status reaches its client before the gateway counts
-    it (serving/gateway/metrics.py), so counters read right after the calls may lag by one."""
+    it (serving/gateway/metrics.py), so counters read right after the calls may lag by one.
+    A rendering is served for ``metrics.cache_s`` (1 s): one older than the caller's last
+    calls is waited out first."""
+    time.sleep(MetricsConfig().cache_s + 0.1)
     deadline = time.monotonic() + timeout
     while True:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:

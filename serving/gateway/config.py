@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from recsys_stack.config import env_field
+from recsys_stack.logpump import LogConfig
 from serving.gateway.discovery import Discovery
 from serving.gateway.validate import Limits
 
@@ -144,8 +145,27 @@ class MetricsConfig:
     port: int = env_field("RECSYS_GATEWAY_METRICS_PORT", METRICS_PORT)
     """Port of ``GET /metrics`` (Prometheus text format); 0 = no endpoint. A port already in
     use is logged as an error and the gateway serves without the endpoint."""
-    host: str = env_field("RECSYS_GATEWAY_METRICS_HOST", "")
-    """Bind address of the endpoint; empty = the gateway's own ``host``."""
+    host: str = env_field("RECSYS_GATEWAY_METRICS_HOST", "127.0.0.1")
+    """Bind address of the endpoint: loopback unless exposed on purpose (0.0.0.0 or the pod's
+    address where Prometheus scrapes from another container); empty = the gateway's ``host``."""
+    token_file: str = env_field("RECSYS_GATEWAY_METRICS_TOKEN_FILE", "")
+    """File holding the bearer token scrapes must send (``Authorization: Bearer <token>``,
+    else 401; Prometheus: ``authorization: {credentials_file: FILE}``): its content, blank
+    lines and ``#`` lines aside (one token per line), re-read when it changes; an emptied or
+    unreadable file refuses every scrape. Empty = no token."""
+    cache_s: float = 1.0
+    """A rendering of the metrics is served for this long: one render per interval however
+    many scrape (each render holds the GIL the scoring path needs). 0 = render every scrape."""
+
+
+@dataclass
+class GatewayLogConfig(LogConfig):
+    """Where the gateway's log goes: its stdout and stderr (Python logging and grpc-core's C++
+    lines alike) through a pump that rate-limits each kind of line and rotates the file."""
+
+    file: str = env_field("RECSYS_GATEWAY_LOG_FILE", "")
+    """Log file (rotated by size); empty = stderr (a container's log), still rate-limited.
+    ``make serve`` sets ``<workdir>/gateway.log``."""
 
 
 @dataclass
@@ -255,7 +275,10 @@ class GatewayConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Prometheus metrics endpoint."""
     log_level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
-    """DEBUG also logs every TorchServe call with its request and example counts."""
+    """DEBUG also logs every TorchServe call with its request and example counts, and turns
+    the log's rate limit off (``log.per_kind``)."""
+    log: GatewayLogConfig = field(default_factory=GatewayLogConfig)
+    """The log file, its rotation and its rate limit."""
 
     def __post_init__(self) -> None:
         if self.http_port < -1:

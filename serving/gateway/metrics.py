@@ -1,9 +1,15 @@
-"""The gateway's Prometheus metrics: ``GET http://<host>:<metrics.port>/metrics``.
+"""The gateway's Prometheus metrics: ``GET http://127.0.0.1:<metrics.port>/metrics``.
 
 One :class:`GatewayMetrics` per gateway process (:func:`configure` makes it, ``serve()``
 calls it); the hot path calls the module functions below, which do nothing before
 :func:`configure` (unit tests of the coalescer or the pool need no registry). Label children
 are made once, so a call costs a dict lookup and an observe.
+
+The endpoint (:mod:`serving.gateway.metrics_http`) is not an amplifier nor an open door: bound
+to loopback unless ``metrics.host`` exposes it on purpose (the series name backends, the plan
+file), an optional bearer token (``metrics.token_file``: 401 without it), and one render per
+``metrics.cache_s`` (1 s) however many scrape. The token file of the gateway's own auth shows as
+its file name only, never its absolute path.
 
 Exported (prefix ``recsys_gateway_``):
 
@@ -34,26 +40,27 @@ Exported (prefix ``recsys_gateway_``):
 - ``auth_token_file_ok{token_file}``: 1 while the tokens of ``auth.token_file`` are in force, 0
   while it is emptied, deleted, unreadable or unparsable and every call is refused (absent
   without a token file); ``auth_token_file_errors_total{token_file}``: reads of it that failed
-  (serving/gateway/auth.py).
+  (serving/gateway/auth.py). The label is the file's name, not its path (where the secret
+  lives is not the scrapers' business).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from serving.gateway import tally
+from serving.gateway import metrics_http, tally
+from serving.gateway.metrics_http import MetricsServer
 from serving.gateway.rpc import WrappingInterceptor
 from serving.gateway.tally import Tally
 
-logger = logging.getLogger("serving.gateway.metrics")
 PREFIX = "recsys_gateway"
 REJECTION_REASONS = ("invalid", "unauthenticated", "overload", "deadline")
 
@@ -148,7 +155,8 @@ class GatewayMetrics:
         )  # fmt: skip
         self.token_file_ok = Gauge(
             f"{PREFIX}_auth_token_file_ok", "1 while the token file's tokens are in force, 0 "
-            "while it cannot be used and every call is refused", ["token_file"], registry=r,
+            "while it cannot be used and every call is refused (label: the file's name)",
+            ["token_file"], registry=r,
         )  # fmt: skip
         self.token_file_errors = Counter(
             f"{PREFIX}_auth_token_file_errors", "reads of the token file that failed (empty, "
@@ -271,9 +279,10 @@ def token_file(path: str, ok: bool) -> None:
     """The token file ``path`` was read: ``ok`` = its tokens are in force; else none is and
     every call is refused (serving/gateway/auth.py)."""
     if _current is not None:
-        _current.token_file_ok.labels(path).set(1.0 if ok else 0.0)
+        name = os.path.basename(path)  # not where the secret lives
+        _current.token_file_ok.labels(name).set(1.0 if ok else 0.0)
         if not ok:
-            _current.token_file_errors.labels(path).inc()
+            _current.token_file_errors.labels(name).inc()
 
 
 def hedged(backend: str) -> None:
@@ -363,34 +372,12 @@ class MetricsInterceptor(WrappingInterceptor):
         return make(behavior, handler.request_deserializer, handler.response_serializer)
 
 
-class MetricsServer:
-    """``GET /metrics`` on a thread of its own (prometheus_client's WSGI server)."""
-
-    def __init__(self, m: GatewayMetrics, host: str, port: int) -> None:
-        self.server, self.thread = start_http_server(port, host, m.registry)
-        self.port = int(self.server.server_port)
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
-
-
-def start_server(m: GatewayMetrics, host: str, port: int) -> MetricsServer | None:
-    """The endpoint on ``host:port``; None (and one error line) if it cannot bind, so that a
-    busy metrics port never takes the scoring service down."""
-    if port == 0:
-        return None
-    try:
-        server = MetricsServer(m, host, port)
-    except OSError as e:
-        logger.error(
-            "metrics endpoint %s:%d not started: %s (set metrics.port or "
-            "RECSYS_GATEWAY_METRICS_PORT; 0 = off)", host, port, e.strerror or e,
-        )  # fmt: skip
-        return None
-    logger.info("metrics on http://%s:%d/metrics", host, server.port)
-    return server
+def start_server(
+    m: GatewayMetrics, host: str, port: int, token_file: str = "", cache_s: float = 1.0
+) -> MetricsServer | None:
+    """``GET /metrics`` of ``m`` on ``host:port`` (:mod:`serving.gateway.metrics_http`: a
+    token, a 1 s cache); None (one error line) when it cannot bind or ``port`` is 0."""
+    return metrics_http.start_server(m.registry, host, port, token_file, cache_s)
 
 
 __all__ = [

@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from recsys_stack.config import ConfigError, parse
-from serving.gateway import connections, kserve, metrics, rest, tenant_metrics
+from serving.gateway import connections, kserve, logs, metrics, rest, tenant_metrics
 from serving.gateway.admission import AdmissionInterceptor
 from serving.gateway.auth import AuthError, identifier, refusal
 from serving.gateway.auth import interceptors as auth_interceptors
@@ -34,6 +34,7 @@ from serving.gateway.config import GatewayConfig
 from serving.gateway.discovery import Discovery
 from serving.gateway.exposure import check_exposure, server_credentials
 from serving.gateway.memory import keep_freed_memory
+from serving.gateway.metrics_http import read_tokens as read_metrics_tokens
 from serving.gateway.plan_watcher import PlanWatcher, schema_plan
 from serving.gateway.ranker import ENVELOPE_BYTES, SERVICE, Ranker
 from serving.gateway.rpc import Chain, HandlerInterceptor, Routes, add_servicer
@@ -201,7 +202,10 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     else:
         port = server.add_secure_port(address, credentials)
     await server.start()
-    metrics_server = metrics.start_server(m, cfg.metrics.host or cfg.host, cfg.metrics.port)
+    mc = cfg.metrics  # loopback unless exposed on purpose; a token; one render a second
+    metrics_server = metrics.start_server(
+        m, mc.host or cfg.host, mc.port, mc.token_file, mc.cache_s
+    )
     # KServe v2 over HTTP: the same model, auth, admission and metrics, on this loop
     http_cfg = dataclasses.replace(cfg, connections=caps)  # the caps as fitted
     http = await rest.start(http_cfg, rest.Rest(model, ranker.admission, auth_gate, m))
@@ -264,7 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logger.warning("%s; NOT_SERVING until it is readable", e)
         check_exposure(cfg.host, cfg.auth)
         auth_interceptors(cfg.auth)  # the token file is readable
+        if cfg.metrics.token_file:
+            read_metrics_tokens(cfg.metrics.token_file)  # and the metrics' one
         server_credentials(cfg.tls)  # the PEM files are
+        logs.configure(cfg)  # from here: rate-limited, rotated, after a start mark (logs.py)
     except (ConfigError, OSError, KeyError, ValueError, KeyFileError, AuthError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -38,10 +38,13 @@ Outcomes = dict[str, tuple[float, float]]
 """``{version: (requests, errors)}``, as counted since the gateway started."""
 
 
-def scrape(url: str, timeout: float = 5.0) -> str | None:
-    """The metrics text at ``url`` (None: nothing answers there)."""
+def scrape(url: str, timeout: float = 5.0, token: str = "") -> str | None:
+    """The metrics text at ``url`` (None: nothing answers there, or it refuses ``token``:
+    the gateway's ``metrics.token_file``, empty = none sent)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=timeout) as r:  # fmt: skip
             text: str = r.read().decode()
     except OSError:
         return None

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from serving.gateway.config import ChannelConfig, GatewayConfig
+from serving.gateway.metrics_http import read_tokens as read_metrics_tokens
 from serving.plan import Plan
 from serving.stubs import kserve_pb2, kserve_pb2_grpc
 from serving.tools import canary
@@ -80,7 +81,11 @@ class Gateway:
         if not m.port:
             return None
         host = "127.0.0.1" if (m.host or self.stack.gateway.host) in ("", "0.0.0.0") else m.host
-        return canary.scrape(f"http://{host or '127.0.0.1'}:{m.port}/metrics")
+        try:  # the endpoint's token, when it has one (serving/gateway/metrics_http.py)
+            token = read_metrics_tokens(m.token_file)[0] if m.token_file else ""
+        except ValueError:
+            return None  # unreadable here: as good as metrics that do not answer
+        return canary.scrape(f"http://{host or '127.0.0.1'}:{m.port}/metrics", token=token)
 
     def generation(self) -> int | None:
         """The generation of this stack's plan file the gateway applied (None: its metrics are

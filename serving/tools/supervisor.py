@@ -78,9 +78,8 @@ class ServeConfig:
     from_export: bool = False
     """Serve the export alone; off: the plan served last, when it can be (restart_plan.py)."""
     client: ChannelConfig = field(default_factory=ChannelConfig)
-    """How ``start`` and ``status`` reach the gateway (``RECSYS_CLIENT_TLS_*``); with the
-    gateway's TLS on, what is left empty comes from its [gateway.tls] files
-    (serving/tools/channel.py ``for_gateway``)."""
+    """How ``start`` and ``status`` reach the gateway (``RECSYS_CLIENT_TLS_*``); with its TLS
+    on, what is left empty comes from [gateway.tls] (serving/tools/channel.py ``for_gateway``)."""
 
 
 class AlreadyRunning(RuntimeError):
@@ -104,8 +103,9 @@ def as_overrides(cfg: Any) -> list[str]:
 
 
 def launch_gateway(cfg: GatewayConfig, log: Path) -> subprocess.Popen[bytes]:
-    """``python -m serving.gateway`` for ``cfg`` in its own session, output appended to ``log``."""
-    with open(log, "ab") as out:  # the child keeps its own descriptor
+    """``python -m serving.gateway`` for ``cfg`` in its own session, its log.file ``log``."""
+    cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, file=cfg.log.file or str(log)))
+    with open(log, "ab") as out:  # what it writes before its log is set up (a bad flag)
         return subprocess.Popen(
             [sys.executable, "-m", "serving.gateway", *as_overrides(cfg)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -123,7 +123,7 @@ def first_error(log: Path, offset: int = 0) -> str:
     it at start, else its first ERROR record, else its last line); "" when there is none."""
     try:
         with log.open("rb") as f:
-            f.seek(offset)
+            f.seek(offset if offset <= os.fstat(f.fileno()).st_size else 0)  # 0: it rotated
             lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines()]
     except OSError:
         return ""

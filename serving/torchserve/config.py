@@ -28,10 +28,11 @@ import json
 import os
 import zipfile
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from recsys_stack.config import env_field
+from recsys_stack.logpump import LogConfig
 from recsys_stack.net import free_ports
 from serving import plan
 
@@ -99,6 +100,10 @@ class TorchServeConfig:
     """TorchServe's log4j2 configuration: ``lean`` (serving/torchserve/log4j2.xml: one stream,
     no per-request lines from the Java frontend, which measured as its largest per-request
     cost), ``default`` (TorchServe's own: access, DEBUG and metrics logs), or a file path."""
+    log: LogConfig = field(default_factory=lambda: LogConfig(per_kind=0))
+    """Rotation of ``<workdir>/torchserve.log``, where TorchServe's stdout and stderr go
+    (recsys_stack/logpump.py); no rate limit by default: only the gateway reaches TorchServe,
+    and its per-batch worker lines are counted (tests, the batching check)."""
     jvm_args: str = env_field("RECSYS_TS_JVM_ARGS", "")
     """Extra flags for TorchServe's Java frontend (its ``vmargs``), split on spaces; empty =
     the JVM's defaults (tiered C1+C2 compilation, G1: best for a long-lived server). A fleet

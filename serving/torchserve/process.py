@@ -21,6 +21,7 @@ from typing import Any
 
 import psutil  # a TorchServe dependency
 
+from recsys_stack import logpump
 from serving.torchserve import manage
 from serving.torchserve.config import (
     TorchServeConfig,
@@ -31,6 +32,7 @@ from serving.torchserve.config import (
 
 logger = logging.getLogger(__name__)
 LOAD_FAILURES_FATAL = 3
+_pumps: list[subprocess.Popen[bytes]] = []  # the log pumps started here, until they exit
 
 
 def torchserve_command(cfg: TorchServeConfig, properties: Path) -> list[str]:
@@ -101,19 +103,41 @@ def launch(
             child_env.pop(name, None)
         else:
             child_env[name] = value
-    with open(cfg.log_file.resolve(), "ab") as log:  # the child keeps its own descriptor
-        cmd = torchserve_command(cfg, properties)
+    cmd = torchserve_command(cfg, properties)
+    read, write = os.pipe()  # its output, through a pump: rotated, each kind rate-limited
+    try:
         proc = subprocess.Popen(
             born_in(cgroup, cmd) if cgroup else cmd,
             cwd=workdir,  # TorchServe writes key_file.json into its working directory
             env=child_env,
             stdin=subprocess.DEVNULL,
-            stdout=log,
+            stdout=write,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    except BaseException:
+        os.close(read)
+        raise
+    finally:
+        os.close(write)  # the child keeps its own
+    _pumps[:] = [p for p in _pumps if p.poll() is None]  # reaped: no zombie per start
+    try:  # its own session: it drains what the group writes on its way out, then exits
+        _pumps.append(logpump.start(read, cfg.log, cfg.log_file.resolve(), mark(cfg, proc.pid),
+                                    new_session=True))  # fmt: skip
+    except OSError:
+        stop(proc, timeout=10)  # its output would have nowhere to go
+        raise
     logger.info("torchserve started (pid %d), log %s", proc.pid, cfg.log_file)
     return proc
+
+
+def mark(cfg: TorchServeConfig, pid: int) -> str:
+    """The start line of TorchServe's log: which process and what it serves."""
+    return (
+        f"torchserve start: pid {pid}, recsys-stack {logpump.version()}, model "
+        f"{cfg.model_name} v{cfg.model_version}, gRPC {cfg.grpc_inference_target}, "
+        f"{cfg.worker_count()} workers"
+    )
 
 
 def log_tail(cfg: TorchServeConfig, lines: int = 40) -> str:
@@ -150,6 +174,7 @@ def _load_failures(cfg: TorchServeConfig) -> int:
         text = cfg.log_file.read_text(errors="replace")
     except FileNotFoundError:
         return 0
+    text = text.rpartition(f"{logpump.MARK} torchserve start:")[2]  # this start's, not the last's
     return text.count(f"Load model failed: {cfg.model_name},")
 
 

@@ -274,7 +274,7 @@ def _answer(target: str, request: object, token: str | None) -> tuple[str, str]:
 
 
 def _file_ok(port: int, tokens: Path) -> float | None:
-    key = ("recsys_gateway_auth_token_file_ok", (("token_file", os.path.abspath(tokens)),))
+    key = ("recsys_gateway_auth_token_file_ok", (("token_file", tokens.name),))  # not its path
     return gateway_metrics(port).get(key)
 
 
