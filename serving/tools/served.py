@@ -17,8 +17,7 @@ from serving.plan import Plan
 from serving.stubs import kserve_pb2, kserve_pb2_grpc
 from serving.tools import canary
 from serving.tools.channel import for_gateway, metadata, open_channel
-from serving.tools.state import gateway_config, read_state, replicas
-from serving.tools.supervisor import local_target
+from serving.tools.state import gateway_config, local_target, read_state, replicas
 from serving.torchserve.config import TorchServeConfig
 
 

@@ -59,3 +59,9 @@ def record_kept(workdir: Path, version: str | None) -> None:
     else:
         state.pop("kept", None)
     write_atomic(workdir / STATE, json.dumps(state, indent=2) + "\n")
+
+
+def local_target(cfg: GatewayConfig) -> str:
+    """Where this machine reaches the gateway (a wildcard bind address is reached locally)."""
+    host = "127.0.0.1" if cfg.host in ("", "0.0.0.0", "::") else cfg.host
+    return f"{host}:{cfg.port}"

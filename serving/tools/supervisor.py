@@ -43,7 +43,7 @@ from recsys_stack.config import (
 )
 from recsys_stack.net import named_ports
 from serving import plan as plan_io
-from serving.gateway.auth import AuthError, write_token_file
+from serving.gateway.auth import write_token_file
 from serving.gateway.config import TOKEN_FILE_NAME, ChannelConfig, GatewayConfig
 from serving.gateway.validate import Schema
 from serving.plan import PLAN_FILE
@@ -51,8 +51,9 @@ from serving.tools.channel import for_gateway
 from serving.tools.client import health
 from serving.tools.recorded import recorded, replica_name, still_ours, survey
 from serving.tools.restart_plan import plan_to_serve
-from serving.tools.state import STATE, WORKDIR, WORKDIR_ENV, gateway_config, read_state, replicas
-from serving.torchserve import manage, process
+from serving.tools.stack_status import status
+from serving.tools.state import STATE, WORKDIR, WORKDIR_ENV, local_target, read_state, replicas
+from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig, on_free_ports, resolve_model
 
 GATEWAY_LOG = "gateway.log"
@@ -110,12 +111,6 @@ def launch_gateway(cfg: GatewayConfig, log: Path) -> subprocess.Popen[bytes]:
             [sys.executable, "-m", "serving.gateway", *as_overrides(cfg)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-
-
-def local_target(cfg: GatewayConfig) -> str:
-    """Where this machine reaches the gateway (a wildcard bind address is reached locally)."""
-    host = "127.0.0.1" if cfg.host in ("", "0.0.0.0", "::") else cfg.host
-    return f"{host}:{cfg.port}"
 
 
 def first_error(log: Path, offset: int = 0) -> str:
@@ -210,6 +205,10 @@ def _identity(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
         raise
 
 
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def start(cfg: ServeConfig) -> str:
     """Start TorchServe (every replica), then the gateway; returns a one-line summary. Stops
     everything on failure. The serving plan starts with the schema's one version (its
@@ -235,9 +234,12 @@ def start(cfg: ServeConfig) -> str:
             plan_file, ts.model_store, ts.mar, (ts.model_name, ts.model_version), cfg.from_export
         )
         if note:
-            print(note, flush=True)
+            say(note)
         # one generation past the plan a previous run left: generations only ever increase
         served = plan_io.update(plan_file, lambda _: served)
+        t0 = time.monotonic()  # progress on stderr: the start takes 30-90 s on a busy machine
+        say(f"starting TorchServe: {len(reps)} replica(s) of {served.model} v{served.default} "
+            f"(state {ts.workdir})")  # fmt: skip
         started: list[dict[str, Any]] = []
         procs = []
         for r in reps:  # recorded one by one: a failed start stops those already started
@@ -248,6 +250,7 @@ def start(cfg: ServeConfig) -> str:
             _write_state(cfg.workdir, plan=str(plan_file), replicas=started)
         for r, p in zip(reps, procs, strict=True):
             process.wait_ready(r, cfg.timeout_s, p)
+        say(f"TorchServe READY in {time.monotonic() - t0:.0f} s; starting the gateway")
         token_file = gateway_token_file(cfg)
         gw = dataclasses.replace(
             cfg.gateway,
@@ -307,54 +310,6 @@ def stop(workdir: Path, timeout: float = 30.0) -> Stopped:
         ts.key_file.unlink(missing_ok=True)
     (workdir / STATE).unlink(missing_ok=True)
     return Stopped(sorted(alive), notes, held=False)
-
-
-def status(workdir: Path, client: ChannelConfig | None = None) -> tuple[int, str]:
-    """``(exit code, report)``: 0 serving, 2 degraded, 3 not running (``client``: how to reach
-    the gateway, completed from its recorded config). ``make status`` turns 3 into 0: nothing
-    running is an answer there, not a failure."""
-    alive, notes = survey(workdir)
-    if not alive:
-        return 3, "\n".join([*notes, f"not running ({workdir})"])
-    lines, ok = list(notes), not notes
-    for i, ts in enumerate(replicas(workdir)):
-        versions = _versions(ts) if replica_name(i) in alive else {}
-        ok &= bool(versions) and all(versions.values())
-        shown = (
-            ", ".join(f"v{v}: {n} READY workers" for v, n in versions.items()) or "0 READY workers"
-        )
-        lines.append(f"{replica_name(i)} {ts.grpc_inference_target} {ts.model_name}: {shown}")
-    gw = gateway_config(workdir)
-    if gw is not None:
-        target = local_target(gw)
-        answer = ("STOPPED", "")
-        try:
-            if "gateway" in alive:
-                answer = health(target, channel=for_gateway(client or ChannelConfig(), gw))
-        except AuthError as e:  # a TLS or token file it cannot read
-            answer = ("UNREACHABLE", str(e))
-        ok &= answer[0] == "SERVING"
-        lines.append(f"gateway {target}: {answer[0]}" + (f" ({answer[1]})" if answer[1] else ""))
-    state = read_state(workdir)
-    if state.get("plan"):
-        try:
-            p = plan_io.load(Path(state["plan"]))
-            lines.append(
-                f"plan {p.generation}: default v{p.default}, traffic "
-                f"{p.traffic or {p.default: 100}}, previous {p.previous or '-'}"
-                + (" (kept loaded for rollback)" if p.kept else "")
-            )
-        except plan_io.PlanError as e:
-            lines.append(str(e))
-    return (0 if ok else 2), "\n".join(lines)
-
-
-def _versions(ts: TorchServeConfig) -> dict[str, int]:
-    """READY workers per registered version (empty when TorchServe does not answer)."""
-    try:
-        return manage.versions(ts, ts.model_name)
-    except manage.ManageError:
-        return {}
 
 
 def parser() -> argparse.ArgumentParser:
