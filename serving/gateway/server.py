@@ -37,7 +37,7 @@ from serving.gateway.rpc import Chain, HandlerInterceptor, Routes, add_servicer
 from serving.gateway.validate import Schema
 from serving.plan import Plan, PlanError, ordered
 from serving.stubs import kserve_pb2, ranker_pb2, ranker_pb2_grpc, reflection_pool
-from serving.torchserve.keys import KeyFileError, read_keys
+from serving.torchserve.keys import KeyFileError, inference_key
 from serving.worker.codec import body_bytes
 
 logger = logging.getLogger("serving.gateway")
@@ -250,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             PlanWatcher(Path(cfg.plan), schema).load()
         for _, path in Discovery(cfg.backend, cfg.key_file).fixed():
             try:  # TorchServe writes its keys when it starts: it may start after the gateway
-                read_keys(path)
+                inference_key(path)  # its key alone: never the management one
             except KeyFileError as e:
                 logger.warning("%s; NOT_SERVING until it is readable", e)
         check_exposure(cfg.host, cfg.auth)
