@@ -33,7 +33,7 @@ from serving.gateway.discovery import Discovery
 from serving.gateway.memory import keep_freed_memory
 from serving.gateway.plan_watcher import PlanWatcher, schema_plan
 from serving.gateway.ranker import ENVELOPE_BYTES, SERVICE, Ranker
-from serving.gateway.rpc import Chain, HandlerInterceptor, Routes, add_servicer
+from serving.gateway.rpc import Chain, HandlerInterceptor, Routes, add_servicer, quiet_core_errors
 from serving.gateway.validate import Schema
 from serving.plan import Plan, PlanError, ordered
 from serving.stubs import kserve_pb2, ranker_pb2, ranker_pb2_grpc, reflection_pool
@@ -140,6 +140,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     )
     schema = Schema.load(cfg.schema)
     check_limits_fit(cfg, schema)
+    quiet_core_errors()  # a message over the size limit: one DEBUG line, not a traceback
     options = [
         ("grpc.max_receive_message_length", 2 * cfg.limits.max_request_bytes),
         ("grpc.max_send_message_length", 2 * cfg.limits.max_request_bytes),
