@@ -30,7 +30,7 @@ from serving.gateway.auth import interceptors as auth_interceptors
 from serving.gateway.backends import BackendPool
 from serving.gateway.config import GatewayConfig
 from serving.gateway.discovery import Discovery
-from serving.gateway.memory import keep_freed_memory
+from serving.gateway.memory import RECLAIM, keep_freed_memory
 from serving.gateway.plan_watcher import PlanWatcher, schema_plan
 from serving.gateway.ranker import ENVELOPE_BYTES, SERVICE, Ranker
 from serving.gateway.rpc import Chain, HandlerInterceptor, Routes, add_servicer, quiet_core_errors
@@ -93,7 +93,8 @@ async def poll_health(
     one backend answers for the default version, the deadline gate is not refusing every
     call (:meth:`Admission.refusing_all`) and the token file can be used (an emptied or broken
     one refuses every call: :func:`auth.refusal`), NOT_SERVING otherwise; KServe's server
-    readiness (``model``, gRPC and HTTP) follows it."""
+    readiness (``model``, gRPC and HTTP) follows it. After a burst of large requests, hands
+    the heap's free pages back (:class:`serving.gateway.memory.Reclaim`)."""
     status = None
     schema = ranker.schema
     while True:
@@ -125,6 +126,8 @@ async def poll_health(
             status = new
             for name in ("", SERVICE):
                 await servicer.set(name, new)
+        if RECLAIM.due():  # a burst of large requests is over: its free pages go back
+            await asyncio.to_thread(RECLAIM.tick)
         await asyncio.sleep(cfg.health_interval_s)
 
 
