@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from serving.gateway import metrics
+from serving.gateway import memory, metrics
 from serving.gateway.config import HedgeConfig
 from serving.gateway.discovery import Discovery
 from serving.gateway.errors import BackendError, map_backend_error
@@ -142,6 +142,7 @@ class BackendPool:
         failing over to another on an outage.
 
         Returns the prediction and the target of the backend that answered."""
+        memory.saw(len(request))  # every scored call, whatever the protocol
         loop = asyncio.get_running_loop()
         end = None if time_remaining is None else loop.time() + time_remaining
         tried: set[str] = set()

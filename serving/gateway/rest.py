@@ -41,11 +41,18 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from aiohttp import hdrs, web
 
-from serving.gateway import metrics, tenants
+from serving.gateway import memory, metrics, tenants
 from serving.gateway.auth import UNUSABLE, AuthInterceptor, bearer_token
 from serving.gateway.errors import ScoreError
 from serving.gateway.kserve import OUTPUT, SCORES, Model, Scored
-from serving.gateway.kserve_json import HEADER_LENGTH, Infer, decoded
+from serving.gateway.kserve_json import (
+    DECODES,
+    HEADER_LENGTH,
+    QUEUED_BODIES,
+    Infer,
+    decoded,
+    json_bytes,
+)
 from serving.gateway.ranker import OFFLOAD_BYTES
 from serving.gateway.validate import InvalidRequest, clip
 
@@ -264,9 +271,15 @@ class Rest:
                     Connection="close",
                 ) from None  # fmt: skip
             header_length = request.headers.get(HEADER_LENGTH)
+            memory.saw(len(body))
             try:
-                if len(body) > OFFLOAD_BYTES:  # JSON of megabytes: parsed off the event loop
-                    arrays, parsed = await asyncio.to_thread(decoded, model, body, header_length)
+                if len(body) > OFFLOAD_BYTES:  # JSON of megabytes: parsed off the event loop,
+                    # one at a time, a short queue (of JSON bytes: binary data is quick)
+                    arrays, parsed = await DECODES.run(
+                        lambda: decoded(model, body, header_length),
+                        max(json_bytes(body, header_length), 0),
+                        QUEUED_BODIES * self.limits.max_request_bytes,
+                    )
                 else:
                     arrays, parsed = decoded(model, body, header_length)
             except InvalidRequest as e:

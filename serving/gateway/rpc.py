@@ -11,10 +11,14 @@ the message type, before the servicer's method runs. Works for any generated ser
 The gateway's interceptors (metrics, auth, admission) only pick a call's handler
 (:class:`HandlerInterceptor`); :class:`Chain` runs several as one and :class:`Routes` applies
 them from a generic handler, so the server needs no grpc interceptor at all.
+
+:func:`quiet_core_errors` makes grpc's own report of an answer to a call core had already ended
+(a message over ``grpc.max_receive_message_length``) one DEBUG line instead of a traceback.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -171,3 +175,31 @@ class Routes(grpc.GenericRpcHandler):
             else:
                 return None  # UNIMPLEMENTED, before any interceptor: it says nothing secret
         return handler if self.chain is None else self.chain.apply(details, handler)
+
+
+# grpc.aio's logger, and the start of what it logs when a handler's answer cannot be sent
+GRPC_CORE_LOGGER = "grpc._cython.cygrpc"
+BATCH_ERROR = "ExecuteBatchError raised in core"
+
+
+class _OneLine(logging.Filter):
+    """grpc.aio's ``ExecuteBatchError raised in core by servicer method [m]`` (ERROR, a 1.5 KB
+    traceback) -> one DEBUG line. It comes when a handler answers a call grpc core has already
+    ended: a message over ``grpc.max_receive_message_length`` (core answered the client
+    RESOURCE_EXHAUSTED; the admission gate, finding no message, aborts after it). The client
+    has its status; a refusal is a count (metrics), not a log line, whoever sends it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(BATCH_ERROR):
+            return True
+        record.msg = "%s: grpc core had ended the call (e.g. a message over its size limit)"
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def quiet_core_errors() -> None:
+    """Install :class:`_OneLine` on grpc.aio's logger (once)."""
+    logger = logging.getLogger(GRPC_CORE_LOGGER)
+    if not any(isinstance(f, _OneLine) for f in logger.filters):
+        logger.addFilter(_OneLine())

@@ -33,15 +33,15 @@ from serving.gateway.backends import BackendPool
 from serving.gateway.config import GatewayConfig
 from serving.gateway.discovery import Discovery
 from serving.gateway.exposure import check_exposure, server_credentials
-from serving.gateway.memory import keep_freed_memory
+from serving.gateway.memory import RECLAIM, keep_freed_memory
 from serving.gateway.metrics_http import read_tokens as read_metrics_tokens
 from serving.gateway.plan_watcher import PlanWatcher, schema_plan
 from serving.gateway.ranker import ENVELOPE_BYTES, SERVICE, Ranker
-from serving.gateway.rpc import Chain, HandlerInterceptor, Routes, add_servicer
+from serving.gateway.rpc import Chain, HandlerInterceptor, Routes, add_servicer, quiet_core_errors
 from serving.gateway.validate import Schema
 from serving.plan import Plan, PlanError, ordered
 from serving.stubs import kserve_pb2, ranker_pb2, ranker_pb2_grpc, reflection_pool
-from serving.torchserve.keys import KeyFileError, read_keys
+from serving.torchserve.keys import KeyFileError, inference_key
 from serving.worker.codec import body_bytes
 
 logger = logging.getLogger("serving.gateway")
@@ -97,7 +97,8 @@ async def poll_health(
     one backend answers for the default version, the deadline gate is not refusing every
     call (:meth:`Admission.refusing_all`) and the token file can be used (an emptied or broken
     one refuses every call: :func:`auth.refusal`), NOT_SERVING otherwise; KServe's server
-    readiness (``model``, gRPC and HTTP) follows it."""
+    readiness (``model``, gRPC and HTTP) follows it. After a burst of large requests, hands
+    the heap's free pages back (:class:`serving.gateway.memory.Reclaim`)."""
     status = None
     schema = ranker.schema
     while True:
@@ -129,6 +130,8 @@ async def poll_health(
             status = new
             for name in ("", SERVICE):
                 await servicer.set(name, new)
+        if RECLAIM.due():  # a burst of large requests is over: its free pages go back
+            await asyncio.to_thread(RECLAIM.tick)
         await asyncio.sleep(cfg.health_interval_s)
 
 
@@ -148,6 +151,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     check_limits_fit(cfg, schema)
     open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     caps = connections.fit(cfg.connections, open_files, http=cfg.http_port >= 0)
+    quiet_core_errors()  # a message over the size limit: one DEBUG line, not a traceback
     options = [
         ("grpc.max_receive_message_length", 2 * cfg.limits.max_request_bytes),
         ("grpc.max_send_message_length", 2 * cfg.limits.max_request_bytes),
@@ -263,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             PlanWatcher(Path(cfg.plan), schema).load()
         for _, path in Discovery(cfg.backend, cfg.key_file).fixed():
             try:  # TorchServe writes its keys when it starts: it may start after the gateway
-                read_keys(path)
+                inference_key(path)  # its key alone: never the management one
             except KeyFileError as e:
                 logger.warning("%s; NOT_SERVING until it is readable", e)
         check_exposure(cfg.host, cfg.auth)

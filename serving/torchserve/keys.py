@@ -12,17 +12,23 @@ library only: the gateway and the container healthcheck use it.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 KINDS = ("inference", "management", "API")
+INFERENCE = ("inference",)  # all the gateway reads
 
 
 class KeyFileError(RuntimeError):
     """``key_file.json`` is missing, unreadable or not shaped as TorchServe writes it."""
 
 
-def read_keys(path: Path) -> dict[str, str]:
-    """``{"inference": ..., "management": ..., "API": ...}`` from TorchServe's key file."""
+def read_keys(path: Path, kinds: Sequence[str] | None = None) -> dict[str, str]:
+    """``{kind: key}`` from TorchServe's key file: those of ``kinds`` (None: every entry, as
+    the management tools read it). An ``inference`` key must be there, and every kind asked
+    for; entries not asked for are neither checked nor returned, so the gateway, which asks
+    for the inference key alone (:func:`inference_key`), never holds the management key and
+    works with a copy holding only its own (compose's ``/keys``)."""
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -32,19 +38,23 @@ def read_keys(path: Path) -> dict[str, str]:
     shape = '{"inference": {"key": "..."}, "management": {"key": "..."}, ...}'
     if not isinstance(data, dict):
         raise KeyFileError(f"{path}: expected {shape}, got {type(data).__name__}")
+    if "inference" not in data:  # the gateway's copy in compose holds the inference key only
+        raise KeyFileError(f"{path}: no 'inference' key (expected {shape})")
     keys = {}
-    for kind, entry in data.items():
+    for kind in data if kinds is None else kinds:
+        entry = data.get(kind)
+        if entry is None:
+            raise KeyFileError(f"{path}: no '{kind}' key (expected {shape})")
         if not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
             raise KeyFileError(f"{path}: entry '{kind}' has no string 'key' (expected {shape})")
         keys[kind] = entry["key"]
-    if "inference" not in keys:  # the gateway's copy in compose holds the inference key only
-        raise KeyFileError(f"{path}: no 'inference' key (expected {shape})")
     return keys
 
 
 def inference_key(path: Path) -> str:
-    """The key for ``authorization: Bearer <key>`` on inference calls (REST and gRPC)."""
-    return read_keys(path)["inference"]
+    """The key for ``authorization: Bearer <key>`` on inference calls (REST and gRPC); the
+    file's other keys are not read (:func:`read_keys`)."""
+    return read_keys(path, INFERENCE)["inference"]
 
 
 def bearer(key: str) -> tuple[tuple[str, str], ...]:

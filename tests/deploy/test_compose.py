@@ -11,6 +11,7 @@ is real (checked against its ``--help``), ports agree with the servers' defaults
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import os
 import re
@@ -130,6 +131,36 @@ def test_dockerignore_keeps_state_and_keys_out() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
     for entry in (".venv", "runs", "model_store", "data", "**/key_file.json"):
         assert entry in ignored
+
+
+SECRETS = ("**/*.pem", "**/*.key", "**/.env", "**/*token*")
+
+
+def test_dockerignore_keeps_secrets_out_and_every_source_in() -> None:
+    """TLS keys, env files and token files never enter an image, whatever folder they are
+    in; no file an image is built from matches (a source named after tokens is kept by a
+    ``!`` line), and no Dockerfile copies such a file by name."""
+    lines = (ROOT / ".dockerignore").read_text().split()
+    for entry in SECRETS:
+        assert entry in lines
+    kept = [line[1:] for line in lines if line.startswith("!")]
+
+    def excluded(path: Path) -> bool:
+        name = path.relative_to(ROOT).as_posix()
+        hit = any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(path.name, p[3:]) for p in SECRETS)
+        return hit and not any(fnmatch.fnmatch(path.name, k[3:]) for k in kept)
+
+    sources = [p for d in ("serving", "recsys_stack", "training", "loadtest", "docker",
+                           "requirements", "deploy", "docs", "tests")
+               for p in (ROOT / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts]  # fmt: skip
+    assert len(sources) > 100
+    assert not [p for p in sources if excluded(p)]
+    assert excluded(ROOT / "runs" / "serve" / "gateway_token")
+    assert excluded(ROOT / "certs" / "server.key") and excluded(ROOT / ".env")
+    assert not excluded(ROOT / "serving" / "gateway" / "tokens.py")
+    for dockerfile in (ROOT / "docker").glob("*Dockerfile*"):
+        copies = re.findall(r"^(?:COPY|ADD)\s+(.*)$", dockerfile.read_text(), re.M)
+        assert not [c for c in copies if re.search(r"\.pem|\.key\b|\.env|token", c)], copies
 
 
 # --- volumes ----------------------------------------------------------------------------------

@@ -1,0 +1,38 @@
+"""When the gateway hands freed memory back (serving/gateway/memory.py), in process; the real
+gateway after a burst: tests/serving/test_rest_bodies.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from serving.gateway import memory
+
+
+def test_memory_goes_back_once_a_burst_is_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    trims: list[int] = []
+    reclaim = memory.Reclaim(quiet_s=5.0, large_bytes=1000, clock=lambda: now[0])
+    monkeypatch.setattr(reclaim, "_trim", lambda pad: trims.append(pad) or 1)
+    reclaim.saw(999)  # small requests never cause a trim
+    now[0] += 60
+    assert not reclaim.due() and not reclaim.tick()
+    for _ in range(3):  # a burst, the last one at 160 s
+        reclaim.saw(1000)
+        now[0] += 0.1
+    now[0] = 164.9
+    assert not reclaim.tick(), "not quiet long enough"
+    now[0] = 165.3
+    assert reclaim.due() and reclaim.tick() and trims == [0]
+    now[0] += 60
+    assert not reclaim.tick() and trims == [0], "one trim per burst"
+
+
+def test_malloc_trim_is_there() -> None:
+    """glibc (the images and CI are Debian): the process's trim is real."""
+    if os.uname().sysname != "Linux":
+        pytest.skip("glibc only")
+    reclaim = memory.Reclaim(quiet_s=0.0, large_bytes=1)
+    reclaim.saw(1)
+    assert reclaim.tick() and reclaim.trims == 1
