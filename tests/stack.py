@@ -100,6 +100,8 @@ def start_gateway(
         **overrides,
     }
     cfg = GatewayConfig(schema=schema, port=free_ports(1)[0], **settings)
+    if cfg.auth.token_file:  # private, as make serve writes it (the gateway refuses others)
+        os.chmod(cfg.auth.token_file, 0o600)
     return launch_gateway(cfg, log), f"127.0.0.1:{cfg.port}"
 
 

@@ -188,16 +188,19 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(data), []
 
 
-def serve(path: str) -> None:
+def serve(path: str, parent: int) -> None:
     """Import :data:`PRELOAD`, then run each request on ``path`` in a forked child (several at
     once: torchrun's ranks start together); each connection gets the child's pid, then its
-    exit code."""
+    exit code. Ends when ``parent`` (the pytest worker that started it) is gone, also when it
+    went during the imports (before, the parent was read after them: a pytest run that ended
+    meanwhile left the server running for ever)."""
     import importlib
     import selectors
 
     for name in PRELOAD:
         importlib.import_module(name)
-    parent = os.getppid()
+        if os.getppid() != parent:
+            return
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # the socket appears whole: a client never sees it unbound
@@ -258,7 +261,8 @@ class Warm:
         finds no socket yet starts cold)."""
         log = open(self.dir / "server.log", "ab")  # noqa: SIM115 - the server's for its life
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.warm", str(self.sock)], cwd=cwd, env=env,
+            [sys.executable, "-m", "tests.warm", str(self.sock), str(os.getpid())], cwd=cwd,
+            env=env,
             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
         )  # fmt: skip
 
@@ -348,4 +352,4 @@ def run_module(
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of pytest is the worker's to handle
-    serve(sys.argv[1])
+    serve(sys.argv[1], int(sys.argv[2]))

@@ -53,6 +53,7 @@ from typing import Any
 import grpc
 
 from serving.gateway.config import TOKEN_FILE_ENV, TOKEN_FILE_NAME, AuthConfig
+from serving.gateway.filemode import check_private
 from serving.gateway.peers import PeerLimit, peer_host
 from serving.gateway.rpc import HandlerInterceptor
 from serving.gateway.tenants import DEFAULT, Tenant, check_consistent, parse_settings
@@ -322,6 +323,8 @@ def interceptors(auth: AuthConfig) -> list[HandlerInterceptor]:
     """The auth interceptor when a token file is configured (raises AuthError if unusable)."""
     if not auth.token_file:
         return []
+    if why := check_private(auth.token_file):  # refused, as ssh refuses an open private key
+        raise AuthError(f"auth.token_file {why}")
     limit = PeerLimit(
         auth.unauthenticated_rate, auth.unauthenticated_burst, auth.unauthenticated_delay_s
     )

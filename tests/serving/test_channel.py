@@ -124,6 +124,7 @@ def mtls_gateway(
                                                "features": {"dense": ["I1"], "sparse": ["C1"]}}))  # fmt: skip
     (d / "keys.json").write_text('{"inference": {"key": "k"}, "management": {"key": "m"}}')
     (d / "tokens").write_text(f"{TOKEN}\n")
+    (d / "tokens").chmod(0o600)
     port, nobody = free_ports(2)
     cfg = GatewayConfig(
         schema=d / "schema.json", port=port, backend=f"127.0.0.1:{nobody}",
