@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from recsys_model.atomic import write_atomic
+from serving.gateway.watched import TRANSIENT
 
 PLAN_FILE = "plan.json"
 
@@ -56,6 +57,11 @@ class Contract(Protocol):
 
 class PlanError(ValueError):
     """A plan file or a plan change that cannot be served; the message names the problem."""
+
+
+class TransientPlanError(PlanError):
+    """The plan file could not be read for a reason that says nothing of it (EMFILE, ENOMEM,
+    EINTR, ...): its readers keep the plan they have and read it again."""
 
 
 class PlanConflict(PlanError):
@@ -204,7 +210,10 @@ def load(path: Path) -> Plan:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise PlanError(f"{path}: no serving plan (`make serve` writes it)") from None
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        error = TransientPlanError if e.errno in TRANSIENT else PlanError
+        raise error(f"{path}: unreadable serving plan: {e}") from None
+    except ValueError as e:
         raise PlanError(f"{path}: unreadable serving plan: {e}") from None
     return Plan.from_json(raw, str(path))
 

@@ -38,7 +38,6 @@ makes the whole file unparsable (never half-read).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import hmac
 import logging
@@ -57,7 +56,7 @@ from serving.gateway.filemode import check_private
 from serving.gateway.peers import PeerLimit, peer_host
 from serving.gateway.rpc import HandlerInterceptor
 from serving.gateway.tenants import DEFAULT, Tenant, check_consistent, parse_settings
-from serving.gateway.watched import WatchedFile
+from serving.gateway.watched import TRANSIENT, WatchedFile
 
 logger = logging.getLogger("serving.gateway.auth")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -77,11 +76,6 @@ class AuthError(ValueError):
 class TransientAuthError(AuthError):
     """The token file could not be read for a reason that says nothing of its content (no
     descriptor left, no memory, interrupted): the last good tokens stay in force."""
-
-
-# errors of reading a file that are the process's or the machine's state, not the file's
-TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.EINTR, errno.EAGAIN, errno.ENOMEM,
-                       errno.ENOBUFS, errno.EIO})  # fmt: skip
 
 
 def parse_entries(text: str, where: str) -> list[tuple[str, Tenant]]:

@@ -5,11 +5,12 @@ checked against the schema this gateway was started with, or made from that sche
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from serving.gateway.watched import WatchedFile
-from serving.plan import Plan, PlanError, Version, differing, load
+from serving.plan import Plan, PlanError, TransientPlanError, Version, differing, load
 
 if TYPE_CHECKING:  # the gateway's schema (validate imports numpy; the plan's users need not)
     from serving.gateway.validate import Schema
@@ -27,6 +28,7 @@ class PlanWatcher:
         self.path = path
         self.schema = schema
         self._file = WatchedFile(path)
+        self._transient_said = 0.0
         self.generation: int | None = None
         """Generation of the last plan :meth:`load` returned (the one applied)."""
 
@@ -64,6 +66,13 @@ class PlanWatcher:
             return None
         try:
             return self.load()
+        except TransientPlanError as e:  # not the file's fault: read it again next poll
+            self._file.forget()
+            now = time.monotonic()
+            if now - self._transient_said >= 10.0:
+                self._transient_said = now
+                logger.warning("%s; still serving the plan loaded before, reading it again", e)
+            return None
         except PlanError as e:
             logger.error("%s; still serving the plan loaded before", e)
             return None

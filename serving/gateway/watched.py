@@ -17,12 +17,19 @@ Stdlib only: TorchServe's config reads plans without the gateway's dependencies.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 CONTENT_LIMIT = 1 << 20  # bytes: files up to this size are compared by content too
+# errors reading a file that are the process's or the machine's state, not the file's: no
+# descriptor left, no memory, interrupted (the token file and the plan keep their last good
+# content and are read again; 1,100 idle connections once turned EMFILE into "every token
+# rejected")
+TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.EINTR, errno.EAGAIN, errno.ENOMEM,
+                       errno.ENOBUFS, errno.EIO})  # fmt: skip
 
 
 @dataclass(frozen=True)

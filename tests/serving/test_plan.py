@@ -172,3 +172,48 @@ def test_generations_only_increase_across_restarts(tmp_path: Path) -> None:
     assert watcher.generation == 8
     path.write_text(json.dumps(_plan(generation=9).to_json()))
     assert watcher.poll() == _plan(generation=9)  # newer again: applied
+
+
+def test_a_plan_change_read_while_out_of_descriptors_is_read_again(tmp_path: Path) -> None:
+    """Issue 45: a transient failure to read the plan (EMFILE: every descriptor held by idle
+    connections) keeps the plan in use, and the change is read once it can be: before, the
+    file was marked as read before the failed read, and the change was never applied."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.conftest import ROOT, _env
+
+    path = tmp_path / "plan.json"
+    plan_io.save(_plan(), path)
+    script = textwrap.dedent(
+        f"""
+        import os, resource
+        from pathlib import Path
+        from serving import plan as plan_io
+        from serving.gateway.plan_watcher import PlanWatcher
+        from serving.gateway.validate import Schema
+        path = Path({str(path)!r})
+        w = PlanWatcher(path, Schema("m", "1", {DENSE!r}, {SPARSE!r}))
+        print("first", w.poll().default)
+        p = plan_io.load(path)
+        plan_io.save(p.with_changes(default="2"), path)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        held = []
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        print("during", w.poll())
+        for fd in held:
+            os.close(fd)
+        print("after", w.poll().default)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["first", "1", "during", "None", "after", "2"], proc.stdout
+    assert "reading it again" in proc.stderr
