@@ -71,6 +71,9 @@ class _Context:
     def time_remaining(self) -> float:
         return 10.0
 
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()  # no token: the gateway's tenant "default", as without a token file
+
     async def read(self) -> bytes:
         return self.request
 

@@ -27,6 +27,9 @@ from tests.stack import (
 )
 
 pytestmark = pytest.mark.slow
+# a busy machine (load 20-35 beside make demo) stretches every call: the bounds tell a hang
+# (the client's HANG_S) from a slow answer (the gateway's deadline + SLACK_S), not fast from slow
+HANG_S, SLACK_S = 60.0, 10.0
 
 
 def _request(st: Stack, lo: int, hi: int) -> ranker_pb2.ScoreRequest:
@@ -245,9 +248,9 @@ def test_outages_are_unavailable_then_recover(stack: Stack) -> None:
     process.stop(stack.torchserve, timeout=10)
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
-        stack.stub.Score(request, timeout=10)
+        stack.stub.Score(request, timeout=HANG_S)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
-    assert time.monotonic() - t0 < stack.deadline_s + 1.0  # no hang past the gateway's deadline
+    assert time.monotonic() - t0 < stack.deadline_s + SLACK_S  # no hang past the gateway's deadline
     wait_status(stack.target, "NOT_SERVING", 10)
     # 3. Bring TorchServe back (new keys): health returns to SERVING and scores are right again.
     stack.torchserve = start_torchserve(stack.cfg)
@@ -263,12 +266,12 @@ def _assert_fails_unavailable_or_recovers(
     for _ in range(20):
         t0 = time.monotonic()
         try:
-            stack.stub.Score(request, timeout=10)
+            stack.stub.Score(request, timeout=HANG_S)
             seen.add("OK")
         except grpc.RpcError as e:
             seen.add(e.code().name)
             assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
-        assert time.monotonic() - t0 < stack.deadline_s + 1.0
+        assert time.monotonic() - t0 < stack.deadline_s + SLACK_S
         time.sleep(0.1)
     assert seen <= {"OK", "UNAVAILABLE"}, seen
     return seen
@@ -278,11 +281,11 @@ def test_an_unknown_model_version_is_not_found(stack: Stack) -> None:
     request = _request(stack, 0, 3)
     request.model_version = "9.9"
     with pytest.raises(grpc.RpcError) as e:
-        stack.stub.Score(request, timeout=10)
+        stack.stub.Score(request, timeout=HANG_S)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
     assert "model_version '9.9' is not served here" in (e.value.details() or "")
     request.model_version = "1.0"  # the served version, named explicitly, scores
-    reply = stack.stub.Score(request, timeout=10)
+    reply = stack.stub.Score(request, timeout=HANG_S)
     np.testing.assert_allclose(np.asarray(reply.scores), stack.rows["probs_int8"][:3], atol=1e-6)
 
 
@@ -298,7 +301,7 @@ def test_a_client_deadline_that_runs_out_is_deadline_exceeded(stack: Stack) -> N
             codes.append(e.code().name)
     assert set(codes) <= {"OK", "DEADLINE_EXCEEDED"} and "DEADLINE_EXCEEDED" in codes, codes
     test_scores_equal_in_process_torchscript(stack, 0, 500)
-    assert wait_status(stack.target, "SERVING", 5) < 5
+    wait_status(stack.target, "SERVING", 60)  # the servers carried on (generous: a busy box)
 
 
 def test_not_serving_until_a_probe_through_torchserve_succeeds(
