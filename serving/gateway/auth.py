@@ -317,8 +317,11 @@ def interceptors(auth: AuthConfig) -> list[HandlerInterceptor]:
     """The auth interceptor when a token file is configured (raises AuthError if unusable)."""
     if not auth.token_file:
         return []
-    if why := check_private(auth.token_file):  # refused, as ssh refuses an open private key
-        raise AuthError(f"auth.token_file {why}")
+    refusal, warning = check_private(auth.token_file)  # serving/gateway/filemode.py
+    if refusal:  # anyone could add a token: refused, as ssh refuses an open private key
+        raise AuthError(f"auth.token_file {refusal}")
+    if warning:
+        logger.warning("auth.token_file %s", warning)
     limit = PeerLimit(
         auth.unauthenticated_rate, auth.unauthenticated_burst, auth.unauthenticated_delay_s
     )

@@ -1,15 +1,15 @@
 """Whether a secret file (the gateway's ``auth.token_file``) is private enough to start with.
 
-The choice is to refuse, as ssh refuses a private key others can read, when the file lets
-accounts other than its owner in: readable or writable by others (any local account could
-call the gateway with its tokens, or make its own token accepted), or writable by its group.
-A group may read it: that is how Kubernetes gives a Secret to a non-root container
-(``defaultMode: 0440`` with the pod's ``fsGroup``, deploy/k8s/gateway.yaml), and a group is an
-explicit grant. ``make serve`` and ``python -m serving.gateway.auth`` write 0600. A warning
-instead would let a world-readable token file run for ever, the warning scrolled away.
+**Refused** (the gateway does not start, one line with the chmod): a file others or its group
+can *write*, or others can execute: any local account could make its own token accepted.
+**Warned about** (one line at start, the gateway serves): a file others can *read*. Reading is
+the weaker harm, and it is what every default Secret mount gives: Kubernetes mounts a Secret's
+files 0644 unless ``defaultMode`` says otherwise, and podman before 4.7 ignores ``defaultMode``
+(``podman kube play`` mounts them 0644/0444), where the container's only account is the app's.
+``make serve`` and ``python -m serving.gateway.auth`` write 0600; deploy/k8s/gateway.yaml asks
+for 0440 with the pod's ``fsGroup`` (a group may read: an explicit grant).
 
-:func:`check_private` only says why; the caller refuses to start with that line. Standard
-library only.
+:func:`check_private` only says why; the caller refuses or warns. Standard library only.
 """
 
 from __future__ import annotations
@@ -18,26 +18,30 @@ import os
 import stat
 from pathlib import Path
 
-# permission bits a secret file must not have: any for others, write for its group
-TOO_OPEN = stat.S_IRWXO | stat.S_IWGRP
+# permission bits a secret file must not have (refused), and ones it should not (warned about)
+REFUSED = stat.S_IWOTH | stat.S_IXOTH | stat.S_IWGRP
+WARNED = stat.S_IROTH
 
 
-def check_private(path: str | Path) -> str:
-    """Why ``path`` is too open to hold secrets, in one line; "" when it is private enough
-    (mode 0600, 0400, 0640 or 0440), when the system has no POSIX modes, or when it cannot be
-    looked at (reading it will say why). A link is judged by the file it leads to."""
+def check_private(path: str | Path) -> tuple[str, str]:
+    """``(refusal, warning)`` for the secret file ``path``, each one line or "": a refusal
+    when others or its group can write it (or others execute it), a warning when others can
+    read it; ("", "") when it is private (0600, 0400, 0640, 0440), when the system has no POSIX
+    modes, or when it cannot be looked at (reading it will say why). A link is judged by the
+    file it leads to."""
     if os.name != "posix":
-        return ""
+        return "", ""
     try:
         mode = os.stat(path).st_mode
     except OSError:
-        return ""
-    if not mode & TOO_OPEN:
-        return ""
+        return "", ""
     bits = ((stat.S_IROTH, "others can read it"), (stat.S_IWOTH, "others can write it"),
             (stat.S_IXOTH, "others can execute it"), (stat.S_IWGRP, "its group can write it"))  # fmt: skip
     why = ", ".join(text for bit, text in bits if mode & bit)
-    return (
+    line = (
         f"{path} (mode {stat.S_IMODE(mode):04o}): {why}, and it holds secrets; chmod 600 {path} "
         "(640 for a group that only reads it)"
     )
+    if mode & REFUSED:
+        return line, ""
+    return "", line if mode & WARNED else ""
