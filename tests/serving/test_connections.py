@@ -204,7 +204,11 @@ def test_gateway_raises_its_soft_open_files_limit_to_the_hard_one(gateway: Gatew
                 if ln.startswith("Max open files"))  # fmt: skip
     soft_now, hard_now = (int(w) for w in line.split()[3:5])
     assert (soft_now, hard_now) == (hard, hard), line
-    assert f"open files limit raised from 1024 to {hard}" in gateway.log.read_text()
+    want = f"open files limit raised from 1024 to {hard}"
+    deadline = time.monotonic() + 60  # the log pump (a process of its own) writes it in its time
+    while want not in gateway.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert want in gateway.log.read_text()
 
 
 def test_an_idle_grpc_connection_is_closed_with_goaway(gateway: Gateway) -> None:
