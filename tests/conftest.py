@@ -264,9 +264,9 @@ LONGEST_FIRST = (
     "training/test_continuous.py", "serving/test_rollout.py", "training/test_train.py",
     "training/test_frozen_recipe.py", "training/test_export.py", "loadtest/test_loadtest.py",
     "training/test_portable.py", "loadtest/test_chaos.py", "training/test_multinode.py",
-    "serving/test_mapped.py", "serving/test_gateway.py", "serving/test_canary.py",
-    "serving/test_tenants.py", "serving/test_connections.py",
-    "training/test_continuous_deltas.py",
+    "serving/test_isolation.py", "serving/test_mapped.py", "serving/test_gateway.py",
+    "serving/test_canary.py", "serving/test_tenants.py", "serving/test_connections.py",
+    "training/test_continuous_deltas.py", "serving/test_logs.py", "serving/test_rest_bodies.py",
     "serving/test_scale.py", "training/test_errors.py", "serving/test_failover.py",
     "test_notebook.py", "serving/test_auth.py", "serving/test_portable.py",
     "serving/test_overload.py", "deploy/test_train_job.py", "training/test_model_name.py",
@@ -276,6 +276,7 @@ LONGEST_FIRST = (
     "serving/test_discovery.py", "serving/test_threads.py", "serving/test_admission.py",
     "serving/test_tls_tools.py", "training/test_preprocess.py", "serving/test_kserve_rest.py",
     "training/test_atomic.py", "serving/test_metrics.py", "serving/test_torchserve.py",
+    "serving/test_metrics_endpoint.py", "serving/test_memory.py", "serving/test_restart_plan.py",
 )  # fmt: skip
 
 

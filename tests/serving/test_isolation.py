@@ -23,7 +23,7 @@ from serving.bench.isolation import IsolationConfig, Row, bench
 from serving.torchserve.config import TorchServeConfig
 
 ROWS: list[Row] = ["alone", "max-tenant-16", "no-token", "json-bomb", "plaintext-tls"]
-SECONDS = 5.0
+SECONDS = 4.0
 # The full bench's bound (2 MB over its 9 rows of 15 s + 2 s of ramp) in proportion to these
 # rows' seconds: ~0.5 MB. A line per refused connection or request is what it catches.
 LOG_BOUND = int(report.LOG_BYTES * len(ROWS) * (SECONDS + 1) / (9 * (15 + 2)))
