@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from serving.gateway import metrics
+from serving.gateway import metrics, tenants
 from serving.gateway.admission import Admission
 from serving.gateway.backends import BackendPool
 from serving.gateway.coalesce import Arrays, Coalescer, Expired, ScoreCountError
@@ -206,6 +206,8 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             claimed = min(peek_examples(data), self.cfg.limits.max_examples)  # more: invalid
             self.admission.check(claimed, context.time_remaining())
         except ScoreError as e:  # counted by the admission rule that refused it
+            if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                await self.admission.pace(tenants.current())
             await context.abort(e.code, e.message)
         try:
             if len(data) > OFFLOAD_BYTES:  # numpy releases the GIL: the loop serves others

@@ -251,7 +251,9 @@ class Rest:
             raise too_large  # the body stays unread (lingering_time 0: the connection closes)
         tenant = self._tenant(request)
         if admission.door_full(tenant):
-            raise admission.door_refusal(tenant)  # the body stays unread
+            refusal = admission.door_refusal(tenant)
+            await admission.pace(tenant)
+            raise refusal  # the body stays unread
         who = tenants.enter(tenant)  # this task serves the tenant's call to its end
         place = admission.enter(tenant)
         try:

@@ -476,3 +476,27 @@ def test_the_wait_before_the_first_admission_is_bounded(
         assert codes == {"OK": 3}, codes
     finally:
         assert stop_gateway(gateway) == 0
+
+
+def test_a_tenant_looping_on_its_refusals_is_paced() -> None:
+    """A tenant refused over its share is answered at once within its bucket (a client that
+    backs off never leaves it); past it each refusal waits, so a loop that does not back off
+    makes a few calls a second instead of hundreds (each one partly uploaded and decrypted)."""
+
+    async def main() -> tuple[float, float, float]:
+        a = Admission(100)
+        t0 = time.monotonic()
+        for _ in range(int(adm.REFUSAL_BURST)):
+            await a.pace(ADS)
+        burst = time.monotonic() - t0
+        t0 = time.monotonic()
+        await a.pace(ADS)
+        paced = time.monotonic() - t0
+        t0 = time.monotonic()
+        await a.pace(FEED)  # another tenant's bucket is its own
+        other = time.monotonic() - t0
+        return burst, paced, other
+
+    burst, paced, other = run(main)
+    assert burst < adm.REFUSAL_DELAY_S and other < adm.REFUSAL_DELAY_S, (burst, other)
+    assert paced >= adm.REFUSAL_DELAY_S * 0.9, paced
