@@ -188,8 +188,9 @@ def test_a_plan_change_read_while_out_of_descriptors_is_read_again(tmp_path: Pat
     plan_io.save(_plan(), path)
     script = textwrap.dedent(
         f"""
-        import os, resource
+        import os
         from pathlib import Path
+        from tests.exhaust import exhaust
         from serving import plan as plan_io
         from serving.gateway.plan_watcher import PlanWatcher
         from serving.gateway.validate import Schema
@@ -198,14 +199,7 @@ def test_a_plan_change_read_while_out_of_descriptors_is_read_again(tmp_path: Pat
         print("first", w.poll().default)
         p = plan_io.load(path)
         plan_io.save(p.with_changes(default="2"), path)
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
-        held = []
-        try:
-            while True:
-                held.append(os.open("/dev/null", os.O_RDONLY))
-        except OSError:
-            pass
+        held = exhaust()
         print("during", w.poll())
         for fd in held:
             os.close(fd)

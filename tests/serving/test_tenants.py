@@ -9,12 +9,10 @@ import re
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 
@@ -73,19 +71,14 @@ def test_a_transient_failure_to_read_the_token_file_keeps_its_tokens(tmp_path: P
     f.write_text(f"{T1}\n")
     script = textwrap.dedent(
         f"""
-        import os, resource
+        import os
         from pathlib import Path
         from serving.gateway.auth import TokenFile
+        from tests.exhaust import exhaust
         f = Path({str(f)!r})
         tokens = TokenFile(f, recheck_s=0.0)
         f.write_text({T1!r} + "\\n" + {T3!r} + "\\n")  # changed: the next look re-reads it
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-        held = []
-        try:
-            while True:
-                held.append(os.open("/dev/null", os.O_RDONLY))
-        except OSError:
-            pass
+        held = exhaust()
         print("exhausted", len(held))
         print("old token while EMFILE:", tokens.accepts({T1!r}.encode()), repr(tokens.problem))
         for fd in held:
@@ -145,17 +138,19 @@ def tenant_gateway(
         assert stop_gateway(gateway) == 0
 
 
-def _loops(target: str, token: str | None, data: bytes, n: int, stop: threading.Event,
-           codes: dict[str, int], ms: list[float] | None = None) -> list[threading.Thread]:  # fmt: skip
-    lock = threading.Lock()
-    md = (("authorization", f"Bearer {token}"),) if token else ()
-
-    def loop() -> None:
-        with grpc.insecure_channel(
-            target, options=[("grpc.max_send_message_length", 8 << 20)]
-        ) as ch:
-            call = ch.unary_unary(SCORE, request_serializer=None, response_deserializer=None)
-            while not stop.is_set():
+CLIENT = textwrap.dedent(
+    """
+    import json, sys, threading, time
+    import grpc
+    target, token, path, n, seconds = sys.argv[1:6]
+    data = open(path, "rb").read()
+    md = (("authorization", "Bearer " + token),) if token else ()
+    codes, ms, lock, end = {}, [], threading.Lock(), time.monotonic() + float(seconds)
+    def loop():
+        opts = [("grpc.max_send_message_length", 8 << 20)]
+        with grpc.insecure_channel(target, options=opts) as ch:
+            call = ch.unary_unary("/recsys.v1.Ranker/Score")
+            while time.monotonic() < end:
                 t0 = time.perf_counter()
                 try:
                     call(data, metadata=md, timeout=30)
@@ -164,53 +159,37 @@ def _loops(target: str, token: str | None, data: bytes, n: int, stop: threading.
                     code = e.code().name
                 with lock:
                     codes[code] = codes.get(code, 0) + 1
-                    if ms is not None and code == "OK":
+                    if code == "OK":
                         ms.append((time.perf_counter() - t0) * 1e3)
-
-    threads = [threading.Thread(target=loop, daemon=True) for _ in range(n)]
-    for t in threads:
-        t.start()
-    return threads
-
-
-ABUSER = textwrap.dedent(
-    """
-    import json, sys, threading, time
-    import grpc
-    target, token, path, n, seconds = sys.argv[1:6]
-    data = open(path, "rb").read()
-    md = (("authorization", "Bearer " + token),) if token else ()
-    codes, lock, end = {}, threading.Lock(), time.monotonic() + float(seconds)
-    def loop():
-        opts = [("grpc.max_send_message_length", 8 << 20)]
-        with grpc.insecure_channel(target, options=opts) as ch:
-            call = ch.unary_unary("/recsys.v1.Ranker/Score")
-            while time.monotonic() < end:
-                try:
-                    call(data, metadata=md, timeout=30)
-                    code = "OK"
-                except grpc.RpcError as e:
-                    code = e.code().name
-                with lock:
-                    codes[code] = codes.get(code, 0) + 1
     threads = [threading.Thread(target=loop) for _ in range(int(n))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    print(json.dumps(codes))
+    print(json.dumps({"codes": codes, "ms": ms}))
     """
 )
 
 
-def abuser(target: str, token: str, data: bytes, loops: int, seconds: float,
+def client(target: str, token: str, data: bytes, loops: int, seconds: float,
            tmp: Path) -> subprocess.Popen[str]:  # fmt: skip
-    """``loops`` loops sending ``data`` as fast as answered (no backoff), in a process of their
-    own (their client work does not share the measured client's GIL); prints its codes."""
-    path = tmp / f"request-{loops}.bin"
+    """``loops`` loops sending ``data`` as fast as answered (no backoff) for ``seconds``, in a
+    process of their own (one client's work does not share another's GIL); it prints its codes
+    and the latencies of its answered calls (:func:`result`)."""
+    path = tmp / f"request-{token[:8]}-{loops}.bin"
     path.write_bytes(data)
-    argv = [sys.executable, "-c", ABUSER, target, token, str(path), str(loops), str(seconds)]
+    argv = [sys.executable, "-c", CLIENT, target, token, str(path), str(loops), str(seconds)]
     return subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, text=True)
+
+
+def result(proc: subprocess.Popen[str]) -> tuple[dict[str, int], list[float]]:
+    """``(codes, ms of the answered calls)`` of a :func:`client` once it ended."""
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    doc = json.loads(out)
+    return doc["codes"], doc["ms"]
 
 
 def test_one_tenants_max_size_requests_cost_another_tenant_none_of_its_calls(
@@ -222,21 +201,10 @@ def test_one_tenants_max_size_requests_cost_another_tenant_none_of_its_calls(
     target, rows, port = tenant_gateway
     small = build_request(rows["dense"][:10], rows["sparse"][:10]).SerializeToString()
     big = largest_request(np.random.default_rng(0)).SerializeToString()
-    heavy_proc = abuser(target, T1, big, 16, 25.0, tmp_path)
-    try:
-        time.sleep(5)  # the abuse is under way (16 max-size requests in flight or refused)
-        stop = threading.Event()
-        light: dict[str, int] = {}
-        ms: list[float] = []
-        threads = _loops(target, T2, small, 2, stop, light, ms)
-        time.sleep(10)
-        stop.set()
-        for t in threads:
-            t.join(timeout=60)
-        out, _ = heavy_proc.communicate(timeout=120)
-    finally:
-        heavy_proc.kill()
-    heavy = json.loads(out)
+    heavy_proc = client(target, T1, big, 16, 25.0, tmp_path)
+    time.sleep(5)  # the abuse is under way (16 max-size requests in flight or refused)
+    light, ms = result(client(target, T2, small, 2, 10.0, tmp_path))
+    heavy, _ = result(heavy_proc)
     print(f"heavy tenant: {heavy}; light tenant: {light}, p50 {np.percentile(ms, 50):.1f} ms, "
           f"p99 {np.percentile(ms, 99):.1f} ms")  # fmt: skip
     assert sum(light.values()) >= 10, light  # a busy 2-core machine: seconds per call at worst
@@ -254,22 +222,16 @@ def test_one_tenants_max_size_requests_cost_another_tenant_none_of_its_calls(
 
 
 def test_callers_without_a_token_are_rate_limited_per_peer(
-    tenant_gateway: tuple[str, dict[str, np.ndarray], int],
+    tenant_gateway: tuple[str, dict[str, np.ndarray], int], tmp_path: Path
 ) -> None:
     """Issue 45: 64 loops of calls with no token cut another client's calls by 54%: each was
     answered at once. Now past a peer's bucket a refusal waits (unauthenticated_delay_s), so
     the loops make few calls, and a tenant's calls beside them all succeed."""
     target, rows, _ = tenant_gateway
     small = build_request(rows["dense"][:10], rows["sparse"][:10]).SerializeToString()
-    stop = threading.Event()
-    anon: dict[str, int] = {}
-    light: dict[str, int] = {}
-    threads = _loops(target, None, small, 16, stop, anon)
-    threads += _loops(target, T2, small, 2, stop, light)
-    time.sleep(6)
-    stop.set()
-    for t in threads:
-        t.join(timeout=60)
+    anon_proc = client(target, "", small, 16, 6.0, tmp_path)
+    light, _ = result(client(target, T2, small, 2, 6.0, tmp_path))
+    anon, _ = result(anon_proc)
     print(f"no token: {anon}; tenant: {light}")
     assert anon.get("RESOURCE_EXHAUSTED", 0) > 0, anon  # the bucket ran out
     # 16 loops for 6 s, each held 0.5 s per call past the bucket: ~200 calls, not thousands
