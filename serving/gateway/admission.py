@@ -61,8 +61,9 @@ REFUSING_ALL_MIN = 20
 # open to its calls past the door, whatever its idle streams hold
 RESERVED_SHARE = 0.5
 # a tenant's refusals over its share are answered at once up to this rate (a bucket of
-# REFUSAL_BURST); past it each waits REFUSAL_DELAY_S (Admission.pace)
-REFUSALS_PER_S, REFUSAL_BURST, REFUSAL_DELAY_S = 20.0, 40.0, 0.5
+# REFUSAL_BURST); past it each waits REFUSAL_DELAY_S (Admission.pace). 64 callers of the
+# largest request backing off 50 ms -> 1 s are refused ~55 times a second: never paced
+REFUSALS_PER_S, REFUSAL_BURST, REFUSAL_DELAY_S = 100.0, 200.0, 0.5
 # how long a place at the door counts (seconds), and how long a call may take to send its
 # request: the gateway's limits say (these are their defaults)
 DOOR_HOLD_S = Limits.door_hold_s
@@ -214,7 +215,7 @@ class Admission:
 
     async def pace(self, tenant: Tenant) -> None:
         """Before a refusal of ``tenant`` over its share is answered: at once within its bucket
-        of refusals (:data:`REFUSALS_PER_S`, a client that backs off never leaves it), after
+        of refusals (:data:`REFUSALS_PER_S`: clients that back off stay in it), after
         :data:`REFUSAL_DELAY_S` past it. A tenant that loops on its refusals without backing
         off cost the gateway a core answering 300 a second (16 loops of 1.7 MB requests, each
         partly uploaded and TLS-decrypted before its refusal) and the other tenants' latency
