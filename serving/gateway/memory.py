@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import time
 from collections.abc import Callable
 
@@ -52,6 +53,10 @@ TRIM_BYTES = 128 << 20
 LARGE_BYTES = 1 << 20
 # free pages go back this long after the last large request
 QUIET_S = 5.0
+# ...and when the process has grown by this much since its last trim with no large request in
+# QUIET_S: 1,100 idle TLS connections took it from 86 to 203 MB and it stayed there once they
+# closed, no large request coming to set off a trim (make bench-isolation, idle-conns row)
+GROWTH_BYTES = 32 << 20
 # glibc's arenas for this process's threads (malloc_trim gives back the top of the first only)
 ARENAS = 1
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
@@ -87,8 +92,13 @@ class Reclaim:
         quiet_s: float = QUIET_S,
         large_bytes: int = LARGE_BYTES,
         clock: Callable[[], float] = time.monotonic,
+        rss: Callable[[], int] | None = None,
+        growth_bytes: int = GROWTH_BYTES,
     ) -> None:
         self.quiet_s, self.large_bytes, self.clock = quiet_s, large_bytes, clock
+        self.rss, self.growth_bytes = rss or resident_bytes, growth_bytes
+        self.base: int | None = None
+        """Resident bytes after the last trim (or at the first look): growth is from here."""
         self.last_large: float | None = None
         """When the last large request not yet followed by a trim came (None: none since)."""
         self.trims = 0
@@ -101,8 +111,14 @@ class Reclaim:
             self.last_large = self.clock()
 
     def due(self) -> bool:
-        """A large request came since the last trim, and none for :attr:`quiet_s`."""
-        return self.last_large is not None and self.clock() - self.last_large >= self.quiet_s
+        """No large request for :attr:`quiet_s`, and one came since the last trim or the
+        process grew by :attr:`growth_bytes` since then (connections come and go too)."""
+        if self.last_large is not None:
+            return self.clock() - self.last_large >= self.quiet_s
+        resident = self.rss()
+        if self.base is None or resident < self.base:
+            self.base = resident
+        return resident > self.base + self.growth_bytes
 
     def tick(self) -> bool:
         """Trim when :meth:`due`; True when it did (ctypes lets the GIL go meanwhile)."""
@@ -113,9 +129,21 @@ class Reclaim:
             return False
         self._trim(0)
         self.trims += 1
+        self.base = self.rss()
         return True
 
 
+def resident_bytes() -> int:
+    """This process's resident set (``/proc/self/statm``: a read, ~10 us); 0 where there is
+    none (never a reason to trim)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 RECLAIM = Reclaim()
 """The process's (a heap is per process)."""
 

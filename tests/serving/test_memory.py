@@ -36,3 +36,31 @@ def test_malloc_trim_is_there() -> None:
     reclaim = memory.Reclaim(quiet_s=0.0, large_bytes=1)
     reclaim.saw(1)
     assert reclaim.tick() and reclaim.trims == 1
+
+
+def test_memory_goes_back_after_growth_without_a_large_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """1,100 idle TLS connections took the gateway from 86 to 203 MB, and it stayed there once
+    they closed: no large request came to set off a trim. Growth of 32 MB since the last trim
+    does now; the size after a trim is the new base (no trim per health round)."""
+    now, rss = [100.0], [80 << 20]
+    trims: list[int] = []
+    reclaim = memory.Reclaim(quiet_s=5.0, large_bytes=1000, clock=lambda: now[0],
+                             rss=lambda: rss[0])  # fmt: skip
+
+    def trim(pad: int) -> int:
+        trims.append(pad)
+        rss[0] = 90 << 20  # what the trim gave back
+        return 1
+
+    monkeypatch.setattr(reclaim, "_trim", trim)
+    assert not reclaim.tick()  # the first look sets the base
+    rss[0] = 110 << 20  # +30 MB: under the growth that calls for a trim
+    assert not reclaim.tick()
+    rss[0] = 200 << 20
+    assert reclaim.tick() and trims == [0] and reclaim.base == 90 << 20
+    assert not reclaim.tick() and trims == [0]  # from the new base: nothing grew
+    reclaim.saw(1000)  # a burst under way: no trim before it is quiet, whatever the size
+    rss[0] = 300 << 20
+    assert not reclaim.tick()
