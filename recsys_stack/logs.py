@@ -26,10 +26,13 @@ Warnings:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import sys
+import time
 import warnings
+from collections.abc import Callable
 
 LIBRARY_LOGGERS = ("torch", "torchrec", "fbgemm_gpu", "torch.onnx", "onnx_ir", "onnxscript")
 _LIBRARY_PATH = re.compile(r"[/\\](torch|torchrec|fbgemm_gpu|onnx_ir|onnxscript)[/\\]")
@@ -67,3 +70,20 @@ def configure(
         logging.getLogger(name).setLevel(logging.ERROR)
     for message, module in _WARNINGS:
         warnings.filterwarnings("ignore", message=message, module=module)
+
+
+class OncePer:
+    """Lets one log line through per ``period_s``; counts the ones it held back."""
+
+    def __init__(self, period_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        self.period_s, self.clock = period_s, clock
+        self.next, self.held = -math.inf, 0
+
+    def ready(self) -> int | None:
+        """None: stay quiet; else log now, with this many held back since the last line."""
+        now = self.clock()
+        if now < self.next:
+            self.held += 1
+            return None
+        held, self.held, self.next = self.held, 0, now + self.period_s
+        return held

@@ -96,7 +96,6 @@ class Admission:
         queue_calls: int = 256,
     ) -> None:
         self.fair = FairQueue(max_examples, max_ids, queue_cost, queue_calls)
-        self.max_examples, self.max_ids = max_examples, max_ids
         self.hold_s = hold_s
         """How long a place at the door counts: the time a request should take to arrive."""
         self.read_timeout_s = read_timeout_s
@@ -151,11 +150,10 @@ class Admission:
         backends' latency. Lets a request be refused before the work of decoding it."""
         fair = self.fair
         flow = fair.flow(tenants.current())
-        if fair.queued or not fair.fits(examples, 0):
-            cost = examples / fair.max_examples
-            if fair.queue_full(flow, cost):
-                flow.count("queue")
-                raise self.refusal(error=fair.over_share(flow, examples, 0))
+        waits = fair.queued or not fair.fits(examples, 0)
+        if waits and fair.queue_full(flow, fair.cost(examples, 0)):
+            flow.count("queue")
+            raise self.refusal(error=fair.over_share(flow, examples, 0))
         # with nothing in flight the call goes through whatever the estimate says: it is the
         # probe that corrects an estimate no longer true (the gate never refuses on its own say)
         if time_remaining is not None and fair.examples:

@@ -51,6 +51,7 @@ from typing import Any
 
 import grpc
 
+from recsys_stack.logs import OncePer
 from serving.gateway.config import TOKEN_FILE_ENV, TOKEN_FILE_NAME, AuthConfig
 from serving.gateway.filemode import check_private
 from serving.gateway.peers import PeerLimit, peer_host
@@ -158,7 +159,7 @@ class TokenFile:
         self._digests = _digests(read_entries(self.path))  # or not started
         self._label = os.path.abspath(self.path)  # the metric's (not resolved: a rotated link)
         self._next_check = time.monotonic() + recheck_s
-        self._transient_said = 0.0
+        self._transient_log = OncePer(TRANSIENT_LOG_S)
         _report(self._label, ok=True)
 
     def refresh(self) -> str:
@@ -179,9 +180,7 @@ class TokenFile:
             # not a verdict on the file (1,100 idle connections used every descriptor, and
             # every valid call was refused): keep the last good tokens, read again next look
             self._file.forget()
-            now = time.monotonic()
-            if now - self._transient_said >= TRANSIENT_LOG_S:
-                self._transient_said = now
+            if self._transient_log.ready() is not None:
                 logger.warning("%s: keeping the tokens of its last read, trying again", e)
             return
         except AuthError as e:

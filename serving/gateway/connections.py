@@ -26,27 +26,24 @@ grpc's 120 s handshake timeout. So the gateway:
 from __future__ import annotations
 
 import asyncio
-import errno
 import ipaddress
 import logging
-import math
 import resource
 import ssl
-import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, cast
 
 from aiohttp import web
 
+from recsys_stack.logs import OncePer
 from serving.gateway.config import ConnectionsConfig
+from serving.gateway.watched import OUT_OF_RESOURCES
 
 logger = logging.getLogger("serving.gateway.connections")
 RESERVED_FDS = 256  # descriptors beside connections: logs, token and plan files, backends, grpc
 QUIET_S = 10.0  # one line per kind of fault per this many seconds
 INT_MAX = 2**31 - 1  # grpc's channel arguments are C ints
-OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 def raise_open_files_limit() -> int:
@@ -106,23 +103,6 @@ def grpc_options(cfg: ConnectionsConfig) -> list[tuple[str, int]]:
     }
     options = [(k, min(max(1, round(v * 1000)), INT_MAX)) for k, v in ms.items() if v > 0]
     return options + [(k, min(v, INT_MAX)) for k, v in counts.items() if v > 0]
-
-
-class OncePer:
-    """Lets one log line through per ``period_s``; counts the ones it held back."""
-
-    def __init__(self, period_s: float = QUIET_S, clock: Callable[[], float] = time.monotonic):
-        self.period_s, self.clock = period_s, clock
-        self.next, self.held = -math.inf, 0
-
-    def ready(self) -> int | None:
-        """None: stay quiet; else log now, with this many held back since the last line."""
-        now = self.clock()
-        if now < self.next:
-            self.held += 1
-            return None
-        held, self.held, self.next = self.held, 0, now + self.period_s
-        return held
 
 
 def _held(n: int) -> str:

@@ -283,9 +283,7 @@ class FairQueue:
             w = head.queue[0]
             if not self.fits(w.examples, w.ids):
                 return
-            head.queue.popleft()
-            head.queued_cost = max(0.0, head.queued_cost - w.cost) if head.queue else 0.0
-            self.queued -= 1
+            self._dequeue(head, w)
             self._admit(head, w.examples, w.ids, w.cost, w.start, now, tagged=True)
             w.future.set_result(None)
 
@@ -336,10 +334,13 @@ class FairQueue:
     def _withdraw(self, flow: Flow, w: Waiter) -> None:
         """A waiting request gave up: out of its queue (its tag is left spent: it was the
         tenant's), and the line moves if it was the head."""
-        try:
-            flow.queue.remove(w)
-        except ValueError:
+        if w not in flow.queue:
             return
+        self._dequeue(flow, w)
+        self.dispatch()
+
+    def _dequeue(self, flow: Flow, w: Waiter) -> None:
+        """``w`` leaves ``flow``'s queue (admitted or gone): the counts follow."""
+        flow.queue.remove(w)  # the head when admitted: O(1)
         flow.queued_cost = max(0.0, flow.queued_cost - w.cost) if flow.queue else 0.0
         self.queued -= 1
-        self.dispatch()

@@ -5,10 +5,10 @@ checked against the schema this gateway was started with, or made from that sche
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from recsys_stack.logs import OncePer
 from serving.gateway.watched import WatchedFile
 from serving.plan import Plan, PlanError, TransientPlanError, Version, differing, load
 
@@ -28,7 +28,7 @@ class PlanWatcher:
         self.path = path
         self.schema = schema
         self._file = WatchedFile(path)
-        self._transient_said = 0.0
+        self._transient_log = OncePer()
         self.generation: int | None = None
         """Generation of the last plan :meth:`load` returned (the one applied)."""
 
@@ -68,9 +68,7 @@ class PlanWatcher:
             return self.load()
         except TransientPlanError as e:  # not the file's fault: read it again next poll
             self._file.forget()
-            now = time.monotonic()
-            if now - self._transient_said >= 10.0:
-                self._transient_said = now
+            if self._transient_log.ready() is not None:
                 logger.warning("%s; still serving the plan loaded before, reading it again", e)
             return None
         except PlanError as e:

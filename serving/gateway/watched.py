@@ -28,8 +28,8 @@ CONTENT_LIMIT = 1 << 20  # bytes: files up to this size are compared by content 
 # descriptor left, no memory, interrupted (the token file and the plan keep their last good
 # content and are read again; 1,100 idle connections once turned EMFILE into "every token
 # rejected")
-TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.EINTR, errno.EAGAIN, errno.ENOMEM,
-                       errno.ENOBUFS, errno.EIO})  # fmt: skip
+OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+TRANSIENT = OUT_OF_RESOURCES | {errno.EINTR, errno.EAGAIN, errno.EIO}
 
 
 @dataclass(frozen=True)

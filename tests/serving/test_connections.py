@@ -28,6 +28,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from recsys_stack.logs import OncePer
 from recsys_stack.net import free_ports
 from serving.gateway.config import (
     ChannelConfig,
@@ -36,7 +37,7 @@ from serving.gateway.config import (
     MetricsConfig,
     TlsConfig,
 )
-from serving.gateway.connections import OncePer, fit, grpc_options
+from serving.gateway.connections import fit, grpc_options
 from serving.gateway.validate import Limits
 from serving.tools.supervisor import as_overrides
 from tests.conftest import ROOT
