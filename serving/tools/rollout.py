@@ -284,6 +284,9 @@ def rollout(cfg: RolloutConfig) -> dict[str, Any]:
     t_start = time.monotonic()
     try:
         say(f"{'rollback' if cfg.rollback else 'rollout'} {plan.model}: v{old} -> v{target}")
+        if old.isdigit() and target.isdigit() and int(target) < int(old) and not cfg.rollback:
+            say(f"  (a version is its checkpoint's training step, not an order: v{target} was "
+                f"exported {cand_schema.get('created_at', 'at an unrecorded time')})")  # fmt: skip
         if evaluated:  # the default first: figures on rows it does not fit would mean nothing
             models = {"candidate": (cand_schema, f"{plan.model} v{target}"),
                       "default": schema_of(stack, plan.model, old)}  # fmt: skip

@@ -31,9 +31,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank, world, device = setup_distributed()
         from training.continuous.file_loop import Continuous
 
-        summary = Continuous(args, rank, world, device).run()
+        loop = Continuous(args, rank, world, device)
+        summary = loop.run()
         if rank == 0:
-            print(json.dumps(summary))
+            from training.continuous.figure import draw
+
+            curves = draw(loop.run_dir, None, loop.run_dir / "curves.png")  # progressive AUC
+            print(json.dumps({**summary, "curves": str(curves)}))
         return 0
     except RecsysError as e:
         if rank == 0:

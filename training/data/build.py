@@ -43,6 +43,7 @@ from training.data.parts import (
     Part,
     finished,
     init_worker,
+    kill_workers,
     parse_part,
     plan_parts,
 )
@@ -366,13 +367,20 @@ def _results(
             futures = {
                 p.index: pool.submit(parse_part, job, p) for p in parts if p.index not in done
             }
+            workers = list((pool._processes or {}).values())  # started by the submits
             try:
                 for p in parts:
                     yield p, done[p.index] if p.index in done else futures[p.index].result()
                     bar.update(p.end - p.start)
-            finally:
-                for future in futures.values():
-                    future.cancel()
+            except BaseException:
+                # The pool drops the queued parts itself: a future cancelled here while the
+                # pool's thread failed those of a broken pool raised there (InvalidStateError)
+                # before it stopped the workers, which went on writing parts after this error
+                # (a resume at once found more parts done than a moment before). No part of a
+                # failed run is written once its error is out: survivors are killed.
+                pool.shutdown(wait=True, cancel_futures=True)
+                kill_workers(workers)
+                raise
 
 
 def _check_unchanged(

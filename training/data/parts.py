@@ -15,6 +15,7 @@ final arrays. Shapes: ``N`` rows of a part.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import json
@@ -22,6 +23,7 @@ import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -324,3 +326,14 @@ class Merger:
     def close(self) -> None:
         for h in self.out.values():
             h.close()
+
+
+def kill_workers(workers: Sequence[BaseProcess]) -> None:
+    """SIGKILL and reap a failed run's parsing workers that are still alive."""
+    workers = [w for w in workers if w.is_alive()]
+    for w in workers:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            w.kill()
+    for w in workers:
+        with contextlib.suppress(OSError, ValueError, AssertionError):
+            w.join(30)

@@ -2,7 +2,8 @@
 ``runs/demo/curves.png``.
 
 Left: training loss per logged step. Right: eval AUC against the oracle AUC (the Bayes limit,
-synthetic data only) and NE.
+synthetic data only), the linear baseline's AUC (the final record's, when it was fitted) and NE.
+A short run's few points are drawn as markers (one logged step is a line of no length).
 """
 
 from __future__ import annotations
@@ -11,12 +12,26 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from training.metrics.log import read_metrics
+
+FEW = 30  # logged steps under which each is drawn as a marker
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     """Write the PNG and return its path."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(run_dir)
+    out = out or run_dir / "curves.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def figure(run_dir: Path) -> Any:
+    """The matplotlib figure of :func:`plot_run` (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -29,13 +44,17 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     )
     evals = read_metrics(run_dir / "metrics.jsonl")
     fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_loss.plot([r["step"] for r in losses], [r["loss"] for r in losses], lw=1)
+    few = "o-" if len(losses) < FEW else "-"
+    ax_loss.plot([r["step"] for r in losses], [r["loss"] for r in losses], few, lw=1, ms=3)
     ax_loss.set(title="training loss (BCE)", xlabel="step", ylabel="loss")
     ax_loss.grid(alpha=0.3)
     steps = [r["step"] for r in evals]
     ax_auc.plot(steps, [r["auc"] for r in evals], "o-", label="model AUC")
     if all("oracle_auc" in r for r in evals) and evals:
         ax_auc.plot(steps, [r["oracle_auc"] for r in evals], "--", label="oracle AUC (Bayes limit)")
+    baseline = [r["baseline_auc"] for r in evals if "baseline_auc" in r]
+    if baseline:
+        ax_auc.axhline(baseline[-1], ls="-.", color="C3", label="linear baseline AUC")
     ax_auc.set(title="held-out evaluation", xlabel="step", ylabel="AUC")
     ax_ne = ax_auc.twinx()
     ax_ne.plot(steps, [r["ne"] for r in evals], "s:", color="gray", label="NE")
@@ -46,10 +65,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     ax_auc.grid(alpha=0.3)
     fig.suptitle(f"{run_dir}")
     fig.tight_layout()
-    out = out or run_dir / "curves.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def main(argv: Sequence[str] | None = None) -> int:
