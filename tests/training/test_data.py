@@ -243,8 +243,11 @@ def synth(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_synthetic_deterministic(tmp_path: Path) -> None:
     spec = SyntheticSpec(rows=3000, seed=7, vocab_sizes=[50] * 26)
-    a = generate(spec, tmp_path / "a.tsv", chunk_rows=1000, progress=False)
-    b = generate(spec, tmp_path / "b.tsv", chunk_rows=1000, progress=False)
+    a = generate(spec, tmp_path / "a.tsv", chunk_rows=1000, progress=False, processes=1)
+    # bytes depend on (spec, chunk_rows), not on the workers writing blocks to files in turn
+    b = generate(spec, tmp_path / "b.tsv", chunk_rows=900, progress=False, processes=3)
+    assert a.read_bytes() != b.read_bytes()  # other blocks, other rows
+    b = generate(spec, tmp_path / "b.tsv", chunk_rows=1000, progress=False, processes=3)
     assert a.read_bytes() == b.read_bytes()
     assert prob_sidecar(a).read_bytes() == prob_sidecar(b).read_bytes()
     c = generate(

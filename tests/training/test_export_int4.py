@@ -122,3 +122,16 @@ def test_the_greedy_lowers_the_cheapest_loss_per_byte_first() -> None:
     rows2 = [100_000, 1_000]
     losses2 = [{"fp16": 0.0, "int8": 2e-6, "int4": 1.0}, {"fp16": 0.0, "int8": 1e-6, "int4": 1.0}]
     assert choose(rows2, dim, losses2, _sizes(rows2, dim)["fp16"] - 1) == ["int8", "fp16"]
+
+
+def test_budget_freed_by_the_last_step_is_given_back() -> None:
+    """The small table is lowered first (cheapest per byte), the file still 1 byte over; then
+    the large one is lowered, freeing 100x what was missing: the small one goes back to fp16
+    (the descent alone leaves both int8 and most of the budget unused)."""
+    rows, dim = [100_000, 1_000], 16
+    losses = [{"fp16": 0.0, "int8": 1e-2, "int4": 1.0}, {"fp16": 0.0, "int8": 1e-9, "int4": 1.0}]
+    small_saves = _sizes([1_000], dim)["fp16"] - _sizes([1_000], dim)["int8"]
+    budget = _sizes(rows, dim)["fp16"] - small_saves - 1
+    formats = choose(rows, dim, losses, budget)
+    assert formats == ["int8", "fp16"]
+    assert layout(rows, dim, formats)[2] <= budget

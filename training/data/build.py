@@ -41,6 +41,7 @@ from training.data.parts import (
     Job,
     Merger,
     Part,
+    cpu_cores,
     finished,
     init_worker,
     kill_workers,
@@ -87,14 +88,6 @@ def _load_sidecars(files: Sequence[Path]) -> list[np.ndarray] | None:
             log.warning("ignoring unreadable prob sidecar %s: %s", sidecar, e)
             return None
     return probs
-
-
-def cpu_cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 @contextlib.contextmanager

@@ -129,6 +129,14 @@ class _Range(io.RawIOBase):
         return got
 
 
+def cpu_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def init_worker() -> None:
     """One worker, one core: no intra-op threads on top of the worker processes."""
     torch.set_num_threads(1)
@@ -216,7 +224,7 @@ def finished(job: Job, part: Part, dtypes: dict[str, np.dtype]) -> dict[str, Any
     return summary
 
 
-def _copy(src: Path, dst: BinaryIO) -> None:
+def append_file(src: Path, dst: BinaryIO) -> None:
     """Append file ``src`` to the unbuffered ``dst`` (in the kernel where it can)."""
     with src.open("rb") as f:
         size = left = os.fstat(f.fileno()).st_size
@@ -294,7 +302,7 @@ class Merger:
         self.report.rows_ok += summary["rows"]
         src = self.job.dir(part)
         for name in ARRAYS:
-            _copy(src / f"{name}.bin", self.out[name])
+            append_file(src / f"{name}.bin", self.out[name])
         self._add_prob(part, src, offset)
 
     def _add_prob(self, part: Part, src: Path, offset: int) -> None:

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing as mp
 import os
+import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Generator, Sequence
+from contextlib import ExitStack, closing
+from multiprocessing.pool import AsyncResult
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +27,7 @@ import numpy as np
 from recsys_stack.metrics import roc_auc
 from recsys_stack.progress import progress as progress_bar
 from training.data.drift import day_models, drift_report
+from training.data.parts import append_file, cpu_cores, init_worker
 from training.data.planted import (
     DEFAULT_VOCAB,
     Block,
@@ -67,13 +73,15 @@ def generate(
     progress: bool = True,
     model: PlantedModel | None = None,
     salt: Sequence[int] = (),
+    processes: int = 0,
 ) -> Path:
     """Write ``spec.rows`` rows to ``out_tsv`` and their true probabilities to its sidecar.
 
     ``model``: the planted model to sample (default: ``build_model(spec)``); ``salt``: extra
     seed words for the rows (the drifting days draw other rows each day). Both files are
     written under temporary names and renamed into place at the end, so an interrupted run
-    never leaves a partial file under the final name. Returns ``out_tsv``.
+    never leaves a partial file under the final name. ``processes`` (0: one per core) sample
+    and format the blocks, written in order: the bytes do not depend on it. Returns ``out_tsv``.
     """
     out_tsv = Path(out_tsv)
     out_tsv.parent.mkdir(parents=True, exist_ok=True)
@@ -85,7 +93,8 @@ def generate(
     labels = np.empty(spec.rows, np.int8)
     try:
         with (
-            tmp_tsv.open("w", encoding="ascii", newline="") as f,
+            ExitStack() as stack,
+            tmp_tsv.open("wb", buffering=0) as f,
             progress_bar(
                 total=spec.rows,
                 unit="row",
@@ -94,15 +103,22 @@ def generate(
                 disable=not progress,
             ) as bar,
         ):
-            for i, start in enumerate(range(0, spec.rows, chunk_rows)):
-                n = min(chunk_rows, spec.rows - start)
-                block = sample_block(
-                    model, spec, np.random.default_rng([spec.seed, 2, *salt, i]), n
-                )
-                f.write(format_block(model, block))
-                probs[start : start + n] = block.prob
-                labels[start : start + n] = block.labels
-                bar.update(n)
+            starts = range(0, spec.rows, chunk_rows)
+            parts = out_tsv.with_name(f".{out_tsv.name}.parts-{os.getpid()}")
+            blocks = stack.enter_context(
+                closing(_blocks(model, spec, salt, chunk_rows, processes, parts))
+            )
+            for start, (text, prob, label) in zip(starts, blocks, strict=True):
+                if isinstance(text, Path):
+                    append_file(text, f)
+                    text.unlink()
+                else:
+                    view = memoryview(text)
+                    while view:  # a raw file may take part of a write
+                        view = view[f.write(view) :]
+                probs[start : start + len(prob)] = prob
+                labels[start : start + len(prob)] = label
+                bar.update(len(prob))
         with tmp_prob.open("wb") as fp:
             np.save(fp, probs)
         os.replace(tmp_prob, sidecar)
@@ -120,6 +136,57 @@ def generate(
             roc_auc(labels, probs),
         )
     return out_tsv
+
+
+Chunk = tuple[bytes | Path, np.ndarray, np.ndarray]  # TSV bytes (or a file of them), p, labels
+_JOB: tuple[PlantedModel, SyntheticSpec, tuple[int, ...], int] | None = None  # forked workers'
+
+
+def _block(i: int, folder: Path | None = None) -> Chunk:
+    """Block ``i`` of the file being generated (its rows depend on ``i`` alone); its text in
+    ``folder/<i>`` when given (a worker's: the writer then copies it in the kernel, instead of
+    taking 25 MB a block through a pipe on the cores the workers need)."""
+    assert _JOB is not None
+    model, spec, salt, chunk_rows = _JOB
+    n = min(chunk_rows, spec.rows - i * chunk_rows)
+    block = sample_block(model, spec, np.random.default_rng([spec.seed, 2, *salt, i]), n)
+    text = format_block(model, block).encode("ascii")
+    if folder is None:
+        return text, block.prob, block.labels
+    (folder / str(i)).write_bytes(text)
+    return folder / str(i), block.prob, block.labels
+
+
+def _blocks(
+    model: PlantedModel,
+    spec: SyntheticSpec,
+    salt: Sequence[int],
+    chunk_rows: int,
+    processes: int,
+    folder: Path,
+) -> Generator[Chunk, None, None]:
+    """The blocks in order, sampled by ``processes`` forked workers (at most two blocks each
+    ahead of the writer, their text in files under ``folder``), or here when one is enough."""
+    global _JOB
+    count = -(-spec.rows // chunk_rows)
+    processes = min(processes or cpu_cores(), count)
+    _JOB = (model, spec, tuple(salt), chunk_rows)
+    try:
+        if processes <= 1 or "fork" not in mp.get_all_start_methods():
+            yield from map(_block, range(count))
+            return
+        folder.mkdir()
+        with mp.get_context("fork").Pool(processes, initializer=init_worker) as pool:
+            ahead: deque[AsyncResult[Chunk]] = deque()
+            for i in range(count):
+                ahead.append(pool.apply_async(_block, (i, folder)))
+                if len(ahead) > 2 * processes:
+                    yield ahead.popleft().get()
+            while ahead:
+                yield ahead.popleft().get()
+    finally:
+        _JOB = None
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def day_file(out_dir: Path, day: int) -> Path:
@@ -216,6 +283,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--ctr", type=float, default=d.target_ctr, help="target mean CTR (default %(default)s)"
     )
     p.add_argument("--chunk-rows", type=int, default=100_000, help="rows per generated block")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="processes sampling blocks (default 0: one per core; the bytes do not depend on it)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p.parse_args(argv)
 
@@ -242,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     if args.days:
         return main_days(spec, args.days, args.drift, args.out, args.chunk_rows, args.no_progress)
-    out = generate(spec, args.out, chunk_rows=args.chunk_rows, progress=not args.no_progress)
+    out = generate(spec, args.out, args.chunk_rows, not args.no_progress, processes=args.processes)
     seconds = time.perf_counter() - start
     print(
         f"{out} and {prob_sidecar(out)}: {spec.rows} rows in {seconds:.1f}s "
