@@ -42,6 +42,7 @@ setup: $(VENV)/.installed  ## create .venv from requirements/lock.txt (CPU fbgem
 TORCH_PINS := torch==2.13.0 torchrec==1.8.0
 DEVICE_REQS := $(if $(filter fbgemm-gpu-cpu%,$(FBGEMM)),requirements/device-cpu.txt)
 $(VENV)/.installed: requirements/lock.txt requirements/device-cpu.txt pyproject.toml serving/gateway/_fastwire.c
+	@echo "setup: installing the locked environment into $(VENV) (first run, or a changed requirements file: about 2 GB, a few minutes; later runs skip this)" >&2
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --require-hashes --no-deps -r requirements/lock.txt
 	$(if $(DEVICE_REQS),$(PY) -m pip install -q --require-hashes --no-deps -r $(DEVICE_REQS),\

@@ -130,3 +130,38 @@ def test_a_bad_key_is_answered_before_torch_is_imported(module: str) -> None:
     assert proc.stderr.strip() == (
         "error: command line: unknown key 'train.epochz' (did you mean 'train.epochs'?)"
     )
+
+
+def test_a_first_run_says_what_it_will_generate_before_torch_loads(tmp_path: Path) -> None:
+    """Issue 46 item 3: a first ``make train`` was 89 s with no output at load (torch's import,
+    then the data). Its first line now says what will be generated, where and how large,
+    before torch is imported (the run is stopped at that import here)."""
+    syn = tmp_path / "syn"
+    code = (
+        "import runpy, sys\n"
+        "class Stop:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            print('importing torch', file=sys.stderr, flush=True)\n"
+        "            raise SystemExit(0)\n"
+        "sys.meta_path.insert(0, Stop())\n"
+        f"sys.argv = ['-m', '--prepare-only', '--config', 'training/configs/demo.toml',\n"
+        f"            '--run-dir', {str(tmp_path / 'run')!r}, 'data.synthetic_dir={syn}']\n"
+        "runpy.run_module('training.train', run_name='__main__', alter_sys=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 0 and len(lines) == 2, proc.stderr[-2000:]
+    assert (
+        lines[0].startswith(
+            f"first run: 4,000,000 synthetic rows to generate into {syn}/synthetic_r4000000_v1000_s0"
+        )
+        and "(~1.0 GB)" in lines[0]
+    ), lines[0]
+    assert lines[1] == "importing torch"
+    (syn / "synthetic_r4000000_v1000_s0.tsv").parent.mkdir()
+    (syn / "synthetic_r4000000_v1000_s0.tsv").write_text("")
+    again = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    assert again.stderr.strip() == "importing torch", again.stderr[-2000:]

@@ -21,8 +21,11 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from recsys_stack import logs
+
+T = TypeVar("T")
 
 # torchrun's loggers that narrate a shutdown on a signal ("Received 2 death signal, shutting
 # down workers", then "Sending process N closing signal SIGINT" per rank)
@@ -62,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 HELP = ("-h", "--help")
 
 
-def check_early(parse: Callable[[list[str]], object]) -> None:
+def check_early(parse: Callable[[list[str]], T]) -> T:
     """For a stage run as ``python -m``, before its module imports torch (5-10 s of CPU, minutes
     on a loaded machine): ``parse`` (the stage's torch-free parser) this process's arguments,
     and a bad config is one line and exit 2 at once (from rank 0 only under torchrun). A good
@@ -72,11 +75,18 @@ def check_early(parse: Callable[[list[str]], object]) -> None:
     from training.errors import RecsysError
 
     try:
-        parse(sys.argv[1:])
+        return parse(sys.argv[1:])
     except RecsysError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def first_run_note(args: Any) -> None:
+    """``--prepare-only``'s first line when it will generate the data (a first ``make train``
+    was 89 s of silence at load): what, where, how large, about how long."""
+    if getattr(args, "prepare_only", False) and (note := args.config.data.first_run_note()):
+        print(note, file=sys.stderr, flush=True)
 
 
 def _stage(argv: Sequence[str] | None, parse: Callable[[list[str]], object], module: str) -> int:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # a bad config in one line before torch's import (issue 46 item 4)
     from training.config import parse_args as _parse
-    from training.launch import check_early
+    from training.launch import check_early, first_run_note
 
-    check_early(_parse)
+    first_run_note(check_early(_parse))
 
 import datetime
 import json

@@ -25,8 +25,7 @@ logger = logging.getLogger(__name__)
 
 def synthetic_path(cfg: DataConfig) -> Path:
     """Synthetic TSV for this config (name encodes rows, vocab and seed, so it caches)."""
-    name = f"synthetic_r{cfg.synthetic_rows}_v{cfg.synthetic_vocab}_s{cfg.synthetic_seed}.tsv"
-    return Path(cfg.synthetic_dir) / name
+    return cfg.synthetic_file()
 
 
 def input_paths(cfg: DataConfig, progress: bool) -> list[Path]:
