@@ -25,7 +25,6 @@ each one's key by the address it resolved. Nothing secret is in the image.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -36,7 +35,7 @@ from pathlib import Path
 from recsys_stack.config import ConfigError, parse
 from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig, resolve_model
-from serving.torchserve.keys import KeyFileError, inference_key
+from serving.torchserve.keys import KeyFileError, write_inference_copy
 
 INFERENCE_KEY_ENV = "RECSYS_TS_INFERENCE_KEY_FILE"
 ADVERTISE_ENV = "RECSYS_TS_ADVERTISE_HOST"
@@ -93,14 +92,9 @@ def share_inference_key(keys: Path, out: Path, copied: int) -> int:
         mtime = keys.stat().st_mtime_ns
         if mtime == copied:
             return copied
-        key = inference_key(keys)
+        write_inference_copy(keys, out)
     except (OSError, KeyFileError):
         return copied  # not written yet
-    tmp = out.with_name(f".{out.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"inference": {"key": key}}, f)
-    tmp.replace(out)
     print(f"torchserve: inference key shared in {out}", flush=True)
     return mtime
 

@@ -55,6 +55,7 @@ from serving.tools.stack_status import status
 from serving.tools.state import STATE, WORKDIR, WORKDIR_ENV, local_target, read_state, replicas
 from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig, on_free_ports, resolve_model
+from serving.torchserve.keys import write_inference_copy
 
 GATEWAY_LOG = "gateway.log"
 
@@ -251,13 +252,15 @@ def start(cfg: ServeConfig) -> str:
         for r, p in zip(reps, procs, strict=True):
             process.wait_ready(r, cfg.timeout_s, p)
         say(f"TorchServe READY in {time.monotonic() - t0:.0f} s; starting the gateway")
+        for r in reps:  # the gateway never opens the file holding the management key
+            write_inference_copy(r.key_file, inference_copy(r))
         token_file = gateway_token_file(cfg)
         gw = dataclasses.replace(
             cfg.gateway,
             schema=cfg.gateway.schema.resolve(),
             plan=str(plan_file),
             backend=",".join(r.grpc_inference_target for r in reps),
-            key_file=",".join(str(r.key_file.resolve()) for r in reps),
+            key_file=",".join(str(inference_copy(r).resolve()) for r in reps),
             backend_max_bytes=ts.max_request_bytes,
             auth=dataclasses.replace(cfg.gateway.auth, token_file=str(token_file)),
         )
@@ -268,7 +271,7 @@ def start(cfg: ServeConfig) -> str:
                      gateway_identity=_identity(gateway), gateway=to_dict(gw))  # fmt: skip
         channel = for_gateway(cfg.client, gw)
         wait_serving(local_target(gw), gateway, cfg.timeout_s, channel, (log, offset))
-    except (FileNotFoundError, RuntimeError, ValueError) as e:
+    except (OSError, RuntimeError, ValueError) as e:
         stop(cfg.workdir)
         raise RuntimeError(f"{e}\n(logs: {cfg.workdir}, {ts.workdir})") from None
     return (
@@ -276,6 +279,11 @@ def start(cfg: ServeConfig) -> str:
         f" (token {gw.auth.token_file}), TorchServe gRPC {gw.backend} (state {cfg.workdir}, plan"
         f" {plan_file})"
     )
+
+
+def inference_copy(ts: TorchServeConfig) -> Path:
+    """The copy of a replica's inference key the gateway reads (beside TorchServe's keys)."""
+    return ts.key_file.with_name("inference_key.json")
 
 
 @dataclass
@@ -308,6 +316,7 @@ def stop(workdir: Path, timeout: float = 30.0) -> Stopped:
         if replica_name(i) in alive and still_ours(workdir, replica_name(i)):
             process.stop(alive[replica_name(i)], timeout=timeout)
         ts.key_file.unlink(missing_ok=True)
+        inference_copy(ts).unlink(missing_ok=True)
     (workdir / STATE).unlink(missing_ok=True)
     return Stopped(sorted(alive), notes, held=False)
 

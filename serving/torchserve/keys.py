@@ -12,6 +12,7 @@ library only: the gateway and the container healthcheck use it.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -80,3 +81,16 @@ class KeySource:
             self._metadata = bearer(inference_key(self.path))
             self._mtime = mtime
         return self._metadata
+
+
+def write_inference_copy(keys: Path, out: Path) -> None:
+    """``out``: ``{"inference": {"key": ...}}`` from TorchServe's ``keys`` (mode 0600, by
+    atomic rename): what a gateway reads, so that it never opens the file holding the
+    management key (compose's ``/keys``, ``make serve``'s ``inference_key.json``). Raises
+    :class:`KeyFileError` while ``keys`` is not written, OSError when ``out`` cannot be."""
+    key = inference_key(keys)
+    tmp = out.with_name(f".{out.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"inference": {"key": key}}, f)
+    tmp.replace(out)

@@ -47,6 +47,12 @@ def test_make_serve_status_score_stop(exported: tuple[Path, Path, str], tmp_path
         assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
         assert f"gateway 127.0.0.1:{ports[5]}" in started.stdout
         assert keys.is_file()
+        # the gateway reads a copy holding the inference key alone, never TorchServe's file
+        copy = keys.with_name("inference_key.json")
+        assert list(json.loads(copy.read_text())) == ["inference"]
+        assert copy.stat().st_mode & 0o777 == 0o600
+        state = json.loads((tmp_path / "serve" / "serve.json").read_text())
+        assert state["gateway"]["key_file"] == str(copy.resolve()), state["gateway"]
         again = run("serve")
         assert again.returncode != 0 and "already running" in again.stderr
         status = run("status")
@@ -69,7 +75,7 @@ def test_make_serve_status_score_stop(exported: tuple[Path, Path, str], tmp_path
     assert not ours(tmp_path / "serve")
     after = run("status")  # the supervisor's exit 3, "not running": an answer for make
     assert "not running" in after.stdout and after.returncode == 0, after
-    assert not keys.exists()
+    assert not keys.exists() and not keys.with_name("inference_key.json").exists()
 
 
 def test_a_gateway_that_exits_at_start_names_its_reason(
