@@ -31,11 +31,6 @@ ShardingType = Literal[
 ComputeKernel = Literal["dense", "fused"]
 
 
-# Measured on the demo preset (4M rows, vocab 1000; 2 cores, quiet): the TSV 1,030 MB (258 B a
-# row), the cache 109 B a row; generation 14.5 s + preprocessing 10.9 s.
-TSV_BYTES_PER_ROW, CACHE_BYTES_PER_ROW, FIRST_RUN_S_PER_MROW = 258, 109, 6.5
-
-
 @dataclass
 class DataConfig:
     path: str = ""
@@ -60,30 +55,6 @@ class DataConfig:
     """Distinct ids per synthetic categorical feature."""
     synthetic_seed: int = 0
     """Seed of the synthetic generator."""
-
-    def synthetic_file(self) -> Path:
-        """The synthetic TSV of this config (its name holds rows, vocab and seed: a cache)."""
-        name = f"synthetic_r{self.synthetic_rows}_v{self.synthetic_vocab}_s{self.synthetic_seed}"
-        return Path(self.synthetic_dir) / f"{name}.tsv"
-
-    def first_run_note(self) -> str | None:
-        """What a first run will generate and cache, said before torch's import (seconds of
-        silence, minutes on a loaded machine); None once the synthetic file is there or for
-        the user's own data."""
-        if self.path or self.synthetic_file().is_file():
-            return None
-        rows = self.synthetic_rows
-
-        def size(b: float) -> str:
-            return f"{b / 1e9:.1f} GB" if b >= 1e9 else f"{max(b / 1e6, 1):.0f} MB"
-
-        return (
-            f"first run: {rows:,} synthetic rows to generate into {self.synthetic_file()} "
-            f"(~{size(rows * TSV_BYTES_PER_ROW)}) and preprocess into {self.cache_dir} "
-            f"(~{size(rows * CACHE_BYTES_PER_ROW)}), once: about "
-            f"{max(rows / 1e6 * FIRST_RUN_S_PER_MROW, 1):.0f} s on 2 quiet cores, longer on a "
-            f"busy machine"
-        )
 
 
 @dataclass

@@ -85,7 +85,9 @@ def check_early(parse: Callable[[list[str]], T]) -> T:
 def first_run_note(args: Any) -> None:
     """``--prepare-only``'s first line when it will generate the data (a first ``make train``
     was 89 s of silence at load): what, where, how large, about how long."""
-    if getattr(args, "prepare_only", False) and (note := args.config.data.first_run_note()):
+    from training.data.first_run import first_run_note as note_of
+
+    if getattr(args, "prepare_only", False) and (note := note_of(args.config.data)):
         print(note, file=sys.stderr, flush=True)
 
 

@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 
 def synthetic_path(cfg: DataConfig) -> Path:
     """Synthetic TSV for this config (name encodes rows, vocab and seed, so it caches)."""
-    return cfg.synthetic_file()
+    from training.data.first_run import synthetic_file
+
+    return synthetic_file(cfg)
 
 
 def input_paths(cfg: DataConfig, progress: bool) -> list[Path]:
