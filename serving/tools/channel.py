@@ -51,8 +51,13 @@ RETRY_POLICY = {
     "backoffMultiplier": 2,
     "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
 }
+# Round robin over every address the target names (``dns:///gateway:50051`` resolving to each
+# gateway replica, or ``ipv4:127.0.0.1:50051,127.0.0.1:50052``): calls spread over the gateways,
+# and one that stops (GOAWAY) or is down leaves the rotation while the others take its calls;
+# grpc's default, pick_first, sends everything to one. With a single address it is the same.
 SERVICE_CONFIG = json.dumps(
     {
+        "loadBalancingConfig": [{"round_robin": {}}],
         "methodConfig": [{"name": [{}], "retryPolicy": RETRY_POLICY}],
         "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1},
     }
@@ -65,6 +70,9 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.enable_retries", 1),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
+    # a gateway replaced under its name (a restarted container's new address) is looked up
+    # again within a second of its connection closing, not grpc's 30 s
+    ("grpc.dns_min_time_between_resolutions_ms", 1000),
 )
 
 

@@ -78,6 +78,15 @@ class Project:
             raise AssertionError(f"docker-compose {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
         return proc.stdout
 
+    def compose_background(self, *args: str) -> subprocess.Popen[str]:
+        """``docker-compose ARGS`` left running (its output appended to the log)."""
+        cmd = ["docker-compose", "-p", self.name, "-f", str(COMPOSE_FILE),
+               "--project-directory", str(self.folder), *args]  # fmt: skip
+        with self.log.open("a") as f:
+            f.write(f"$ {' '.join(args)}  (in the background)\n")
+        out = self.log.open("a")
+        return subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
     def save_logs(self, out: Path) -> None:
         """Every container's log (``podman logs``) into ``out``, for a failure's post-mortem."""
         out.mkdir(exist_ok=True)
@@ -163,12 +172,13 @@ def project(engine: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
     (folder / "docker").mkdir()
     shutil.copy(ROOT / "docker" / "prometheus.yml", folder / "docker")
     for sub in ("runs", "data", "model_store", "reports"):
-        (folder / sub).mkdir()
-        os.chown(folder / sub, UID, UID)
-    gateway_port, http_port, prometheus_port = free_ports(3)
+        (folder / sub).mkdir()  # as root, as an operator following the docs: compose's
+        # folders service hands them to the images' user (no chown here)
+    gateway_port, http_port, prometheus_port, gw2_port, gw2_http = free_ports(5)
     env = clean_env()  # the compose file's own defaults, as tests/deploy reads it
     env.update(engine, PRESET="tiny", RECSYS_GATEWAY_PORT=str(gateway_port),
                RECSYS_GATEWAY_HTTP_PORT=str(http_port), PROMETHEUS_HOST_PORT=str(prometheus_port),
+               GATEWAY_2_HOST_PORT=str(gw2_port), GATEWAY_2_HTTP_HOST_PORT=str(gw2_http),
                COMPOSE_HTTP_TIMEOUT="600")  # fmt: skip
     p = Project(f"recsys-ct{os.getpid()}", folder, env, gateway_port, http_port, prometheus_port,
                 folder / "compose.log")  # fmt: skip

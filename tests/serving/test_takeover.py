@@ -18,6 +18,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -156,3 +157,70 @@ def test_calls_through_our_channel_survive_repeated_takeovers(
         f"{sum(callers.failed.values())} calls failed in {failed_takeovers} of {TAKEOVERS} "
         f"takeovers: {dict(callers.failed)}; first: {callers.details[:3]}"
     )
+
+
+def _score_count(metrics_port: int) -> float:
+    """Score calls a gateway answered OK, from its /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("recsys_gateway_requests_total{")
+        and '/Score"' in line
+        and 'code="OK"' in line
+    )
+
+
+def test_two_gateways_restarted_in_turn_fail_no_call(
+    exported: tuple[Path, Path, str],
+    torchserve: tuple[TorchServeConfig, subprocess.Popen[bytes]],
+    tmp_path: Path,
+) -> None:
+    """Issue 50: two gateways, the clients' channel naming both (round robin, as
+    ``dns:///gateway:50051`` names every replica); each gateway stopped (SIGTERM: NOT_SERVING,
+    GOAWAY, its calls finish), left down a second, started again, in turn, three times: no
+    call fails, and both gateways take calls (the calls are spread, not all on one)."""
+    export, _, _ = exported
+    ts, _ = torchserve
+    ports = free_ports(4)
+    cfgs = [
+        GatewayConfig(
+            schema=export / "schema.json",
+            port=ports[i],
+            backend=ts.grpc_inference_target,
+            key_file=str(ts.key_file),
+            metrics=MetricsConfig(port=ports[2 + i]),
+        )
+        for i in range(2)
+    ]
+    s = np.load(export / "sample.npz")
+    request = build_request(s["dense"][:10], to_rows(s["values"], s["lengths"])[:10])
+
+    def score(channel: grpc.Channel) -> Any:
+        return ranker_pb2_grpc.RankerStub(channel).Score(request, timeout=10)
+
+    logs = iter(range(100))
+    gateways = [start(c, tmp_path / f"gateway-{next(logs)}.log") for c in cfgs]
+    target = f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}"
+    try:
+        with running(Callers(target, [score] * SCORERS)) as callers:
+            callers.wait_ok(200)
+            for _ in range(3):
+                for i, cfg in enumerate(cfgs):
+                    gateways[i].proc.send_signal(signal.SIGTERM)
+                    assert gateways[i].proc.wait(timeout=cfg.grace_s + 30) == 0
+                    callers.wait_ok(50)  # the other gateway alone
+                    time.sleep(1.0)
+                    gateways[i] = start(cfg, tmp_path / f"gateway-{next(logs)}.log")
+                    callers.wait_ok(200)
+            answered = [_score_count(c.metrics.port) for c in cfgs]  # since their last start
+    finally:
+        for gw in gateways:
+            if gw.proc.poll() is None:
+                gw.proc.send_signal(signal.SIGTERM)
+                gw.proc.wait(timeout=30)
+    print(f"{callers.ok} calls answered, failed {dict(callers.failed)}; the last two gateways "
+          f"answered {answered}")  # fmt: skip
+    assert not callers.failed, f"{dict(callers.failed)}; first: {callers.details[:3]}"
+    assert min(answered) > 0, f"one gateway took no call after its restart: {answered}"
