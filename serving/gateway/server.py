@@ -201,10 +201,16 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     )
     server.add_generic_rpc_handlers((routes,))
     address = f"{cfg.host}:{cfg.port}"
-    if credentials is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, credentials)
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError:  # grpc's "Failed to bind": one line, what to do
+        raise PortInUse(
+            f"cannot listen on {address}: in use by another process (another gateway? "
+            f"`make status`, `make stop`), or set RECSYS_GATEWAY_PORT / --port"
+        ) from None
     await server.start()
     mc = cfg.metrics  # loopback unless exposed on purpose; a token; one render a second
     metrics_server = metrics.start_server(
@@ -249,6 +255,10 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
         metrics_server.close()
 
 
+class PortInUse(RuntimeError):
+    """The gateway's port could not be bound."""
+
+
 def parse_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     """``argv`` -> the gateway's config (``--help`` lists every key with its docstring)."""
     return parse(GatewayConfig, argv, "python -m serving.gateway", __doc__.split("\n\n")[0])
@@ -281,7 +291,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     keep_freed_memory()  # a request reuses the last one's memory: no page faults (memory.py)
     connections.raise_open_files_limit()  # 1,024 is a thousand connections (connections.py)
-    asyncio.run(serve(cfg))
+    try:
+        asyncio.run(serve(cfg))
+    except PortInUse as e:
+        logger.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

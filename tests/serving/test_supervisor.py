@@ -105,6 +105,47 @@ def test_a_gateway_that_exits_at_start_names_its_reason(
     assert not ours(tmp_path / "serve")  # what was started is stopped
 
 
+def test_a_port_answered_by_another_server_is_not_taken_for_ours(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    """Another process holds the gateway's port and answers health SERVING there (seen: a make
+    demo beside the suite). Ours cannot bind and says so in one line; ``make serve`` fails with
+    that line instead of reporting "serving" on the other's answer, and leaves nothing."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    export, store, _ = exported
+    ports = free_ports(6)
+    other = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.so_reuseport", 0)])
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, other)
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    servicer.set("recsys.v1.Ranker", health_pb2.HealthCheckResponse.SERVING)
+    other.add_insecure_port(f"127.0.0.1:{ports[5]}")
+    other.start()
+    try:
+        env = _env({f"RECSYS_TS_{n}_PORT": str(p) for n, p in zip(PORT_VARS, ports, strict=False)})
+        env |= {"RECSYS_GATEWAY_PORT": str(ports[5]), "RECSYS_SERVE_DIR": str(tmp_path / "serve")}
+        venv = Path(sys.executable).parent.parent
+        make = shutil.which("make")
+        assert make, "make not found: `apt-get install make`"
+        cmd = [make, "--no-print-directory", "-o", f"{venv}/.installed", "serve", f"VENV={venv}",
+               f"RUN={export.parent}",
+               f"SERVE_ARGS=--torchserve.model-store {store} --torchserve.workers 1"]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        other.stop(None)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode != 0 and "serving dlrm" not in proc.stdout, proc.stdout + proc.stderr
+    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{ports[5]}: in use" in errors[0], (
+        proc.stderr
+    )
+    assert "Traceback" not in (tmp_path / "serve" / "gateway.log").read_text()
+    assert not ours(tmp_path / "serve")
+
+
 def _tsv_rows(s: np.lib.npyio.NpzFile, n: int) -> str:
     sparse = to_rows(s["values"], s["lengths"])
     lines = []
