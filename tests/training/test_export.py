@@ -306,8 +306,12 @@ def test_variants_this_machine_does_not_serve_are_checked_on_a_sample(
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine serves fp16: it is checked on every row there")
     run = _copy_run(trained, tmp_path / "run")
-    run_export(["--run-dir", str(run), "--model-store", str(tmp_path / "store"),
-                "--version", "1.0", "--unserved-parity-rows", "300"])  # fmt: skip
+    proc = run_export(["--run-dir", str(run), "--model-store", str(tmp_path / "store"),
+                       "--version", "1.0", "--unserved-parity-rows", "300"])  # fmt: skip
+    # the report says which rows each AUC is on (fp16's looked like another model's)
+    assert "parity: 2,000 held-out rows (fp16 300), each model once" in proc.stdout
+    (fp16,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("fp16 ")]
+    assert fp16.endswith("(on its first 300 rows: not served here)"), fp16
     parity = json.loads((run / "export" / "parity.json").read_text())
     assert parity["rows"] == 2000 and parity["ok"]
     assert parity["rows_by_variant"]["fp16"] == 300, parity["rows_by_variant"]

@@ -36,11 +36,15 @@ def format_report(summary: dict[str, Any]) -> str:
     ref = parity.get("reference", "eager")
     w = max(8, *(len(v) for v in sizes))
     lines.append(f"{'variant':<{w}}  size MiB   vs fp32   AUC       max|Δp| vs {ref}")
+    sampled = {
+        v: n for v, n in parity.get("rows_by_variant", {}).items() if n < parity["rows"]
+    }  # variants not served here, checked on their first n rows
     for v, b in sizes.items():
         diff = parity["max_abs_diff"].get(v)
         lines.append(
             f"{v:<{w}} {b / 2**20:>9.2f} {sizes['fp32'] / b:>8.2f}x  {parity['auc'][v]:.5f}   "
             + (f"{diff:.2e}" if diff is not None else "(reference)")
+            + (f"  (on its first {sampled[v]:,} rows: not served here)" if v in sampled else "")
         )
     if ref not in sizes:
         lines.append(
@@ -80,7 +84,10 @@ def cost_line(parity: dict[str, Any], timings: dict[str, float]) -> str:
     per = ", ".join(f"{m} {t:.1f} s" for m, t in parity.get("seconds", {}).items())
     stages = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in timings.items())
     latency = "" if "latency" in parity else "; latency not measured (--latency)"
-    return (f"parity: {parity['rows']:,} held-out rows, each model once ({per}){latency}\n"
+    some = [f"{v} {n:,}" for v, n in parity.get("rows_by_variant", {}).items()
+            if n < parity["rows"]]  # fmt: skip
+    rows = f"{parity['rows']:,} held-out rows" + (f" ({', '.join(some)})" if some else "")
+    return (f"parity: {rows}, each model once ({per}){latency}\n"
             f"seconds: {stages} ({sum(timings.values()):.1f} s in all)")  # fmt: skip
 
 
