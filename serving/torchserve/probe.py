@@ -93,3 +93,22 @@ def serve(probes: Probes, port: int, host: str = "0.0.0.0") -> ThreadingHTTPServ
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="probes", daemon=True).start()
     return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m serving.torchserve.probe URL``: exit 0 when ``GET URL`` answers 200 (a probe
+    as one command without spaces inside its arguments, which podman 4.3 splits on)."""
+    import sys
+    import urllib.request
+
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        with urllib.request.urlopen(args[0], timeout=5) as r:
+            return 0 if r.status == 200 else 1
+    except (OSError, IndexError) as e:
+        print(f"probe: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -8,7 +8,7 @@ import urllib.request
 from typing import Any
 
 from recsys_stack.net import free_ports
-from serving.torchserve.probe import Probes, serve
+from serving.torchserve.probe import Probes, main, serve
 
 
 def status(port: int, path: str) -> int:
@@ -41,6 +41,7 @@ def test_ready_wants_a_ready_worker_live_wants_a_fresh_answer() -> None:
         answer[0] = [{"workers": [{"status": "READY"}]}]
         probes.check()
         assert (status(port, "/livez"), status(port, "/readyz")) == (200, 200)
+        assert main([f"http://127.0.0.1:{port}/readyz"]) == 0  # the command podman runs
         answer[0] = OSError("timed out")  # the frontend stops answering
         now[0] = 20.0
         probes.check()
@@ -52,5 +53,6 @@ def test_ready_wants_a_ready_worker_live_wants_a_fresh_answer() -> None:
         alive[0] = False  # TorchServe's process exited
         assert (status(port, "/livez"), status(port, "/readyz")) == (503, 503)
         assert status(port, "/other") == 404
+        assert main([f"http://127.0.0.1:{port}/livez"]) == 1
     finally:
         server.shutdown()
