@@ -19,7 +19,9 @@ writes new keys): that is the file the gateway mounts, so it never holds managem
 container's hostname resolves to: its address on the compose network or the pod's IP), so
 replicas of one scaled service each write their own, ``/keys/{host}.json``, and a gateway that
 finds them by name (``--backend dns:///torchserve:7070 --key-file /keys/{host}.json``) reads
-each one's key by the address it resolved. Nothing secret is in the image.
+each one's key by the address it resolved. Nothing secret is in the image. With
+``RECSYS_TS_PROBE_PORT`` set (deploy/k8s: 8083), ``GET /readyz`` and ``/livez`` on that port
+answer a kubelet's probes from the management API's last answer (serving/torchserve/probe.py).
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from recsys_stack.config import ConfigError, parse
-from serving.torchserve import process
+from serving.torchserve import probe, process
 from serving.torchserve.config import TorchServeConfig, resolve_model
 from serving.torchserve.keys import KeyFileError, write_inference_copy
 
@@ -67,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"torchserve: {cfg.model_name}/{cfg.model_version} on {cfg.host}, keys {cfg.key_file}",
           flush=True)  # fmt: skip
+    stop_probes = start_probes(cfg, proc)
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: stopping.append(s))
@@ -76,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if share:
             copied = share_inference_key(cfg.key_file, Path(share), copied)
         if stopping:
+            stop_probes.set()
             process.stop(proc)
             copy_log(cfg.log_file, at)
             return 0
@@ -83,6 +89,19 @@ def main(argv: list[str] | None = None) -> int:
             copy_log(cfg.log_file, at)
             return proc.returncode or 1
         time.sleep(0.5)
+
+
+def start_probes(cfg: TorchServeConfig, proc: subprocess.Popen[bytes]) -> threading.Event:
+    """The kubelet's HTTP probes on ``RECSYS_TS_PROBE_PORT`` (none when unset or 0); set the
+    event returned to stop asking the management API."""
+    stop = threading.Event()
+    port = int(os.environ.get(probe.PORT_ENV) or 0)
+    if port:
+        probes = probe.Probes(lambda: process.describe(cfg, 3.0), lambda: proc.poll() is None)
+        probe.serve(probes, port)
+        threading.Thread(target=probes.run, args=(stop,), name="probe-check", daemon=True).start()
+        print(f"torchserve: probes on :{port} (/readyz, /livez)", flush=True)
+    return stop
 
 
 def share_inference_key(keys: Path, out: Path, copied: int) -> int:

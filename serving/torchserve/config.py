@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import zipfile
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from recsys_stack.config import env_field
+from recsys_stack.cpus import available_cpus
 from recsys_stack.logpump import LogConfig
 from recsys_stack.net import free_ports
 from serving import plan
@@ -77,9 +77,10 @@ class TorchServeConfig:
     ``make rollout`` needs it; off = the versions registered at start only (compose turns it
     off: nothing there rolls out)."""
     workers: int = env_field("RECSYS_TS_WORKERS", 0)
-    """Worker processes for the model, min = max (no autoscaling surprises); 0 = one per core,
-    TorchServe's own default (measured best on CPU, docs/bench.md). The handler splits the
-    cores among them."""
+    """Worker processes for the model, min = max (no autoscaling surprises); 0 = one per CPU
+    this process may use (measured best on CPU, docs/bench.md): its cgroup's CPU quota rounded
+    up (a pod's ``limits.cpu``), else its affinity mask, never the node's core count
+    (recsys_stack/cpus.py). The handler splits those CPUs among them."""
     batch_size: int = env_field("RECSYS_TS_BATCH_SIZE", 1)
     """Most requests TorchServe aggregates into one ``handle`` call. 1 by default: the gateway
     merges concurrent requests itself without a timer, while TorchServe's batching makes a
@@ -121,8 +122,8 @@ class TorchServeConfig:
                 raise ValueError(f"{f.name} = {port} is not a port number (1-65535)")
 
     def worker_count(self) -> int:
-        """``workers``, with 0 resolved to this machine's core count."""
-        return self.workers or os.cpu_count() or 1
+        """``workers``, with 0 resolved to the CPUs this process may use (cgroup quota)."""
+        return self.workers or available_cpus()
 
     @property
     def mar(self) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 import psutil  # a TorchServe dependency
 
 from recsys_stack import logpump
+from recsys_stack.cpus import available_cpus
 from serving.torchserve import manage
 from serving.torchserve.config import (
     TorchServeConfig,
@@ -96,6 +97,8 @@ def launch(
         LOG_LOCATION=str(workdir / "logs"),
         METRICS_LOCATION=str(workdir / "logs"),
     )
+    # the CPUs the handler shares among the workers: the cgroup quota, not the node's cores
+    child_env.setdefault("RECSYS_CPUS", str(available_cpus()))
     # where the workers find each version's embedding deltas (serving/worker/deltas.py)
     child_env.setdefault("RECSYS_DELTA_DIR", str(Path(cfg.model_store).resolve() / "deltas"))
     for name, value in (env or {}).items():

@@ -62,6 +62,12 @@ def cpu_threads(env: dict[str, str], cores: int, workers: int) -> int:
     return max(1, cores // max(workers, 1))
 
 
+def replica_cpus() -> int:
+    """The CPUs of this replica: ``RECSYS_CPUS`` (its cgroup quota, which the supervisor
+    passes: serving/torchserve/process.py), else this machine's cores."""
+    return int(os.environ.get("RECSYS_CPUS") or 0) or os.cpu_count() or 1
+
+
 def replica_workers() -> int:
     """TorchServe workers on this replica, of every model and version: the processes sharing
     this worker's parent (the frontend) that run the worker script; 0 when /proc says nothing.
@@ -97,7 +103,7 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
         self.on, self.retuned_at = device, time.monotonic()
         if device.type == "cpu":
             workers = replica_workers() or int(os.environ.get("RECSYS_WORKERS", "1"))
-            torch.set_num_threads(cpu_threads(dict(os.environ), os.cpu_count() or 1, workers))
+            torch.set_num_threads(cpu_threads(dict(os.environ), replica_cpus(), workers))
         model_dir = Path(props["model_dir"])
         schema = json.loads((model_dir / "schema.json").read_text())
         variant, artifact, dtype = choose_variant(
@@ -146,7 +152,7 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
             return
         self.retuned_at = now
         workers = replica_workers()
-        threads = cpu_threads(dict(os.environ), os.cpu_count() or 1, workers)
+        threads = cpu_threads(dict(os.environ), replica_cpus(), workers)
         if workers and threads != torch.get_num_threads():
             logger.info("recsys handler: %d workers on this replica: %d threads", workers, threads)
             torch.set_num_threads(threads)
