@@ -297,3 +297,14 @@ base-image:  ## the Python base without a registry: debootstrap -> localhost/deb
 
 images:  ## podman-build every compose image (IMAGE_TARGETS, tag IMAGE_TAG; IMAGE_BASE: python:3.11-slim or the local base), check and list sizes
 	@$(IMAGE_ENV) nice -n 10 bash docker/build_images.sh images
+
+# The images to a registry, tagged by the project's version: REGISTRY/recsys-<name>:VERSION (the
+# cluster overlay's names), one line per image with its digest. A local registry for trying it:
+# Debian's docker-registry (make container-deps installs it; docs/deploy.md).
+REGISTRY ?=
+IMAGE_VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+REGISTRY_TLS_VERIFY ?= true
+.PHONY: push
+push:  ## tag and push IMAGE_TARGETS as REGISTRY/recsys-<name>:<project version>; prints each digest [REGISTRY_TLS_VERIFY=false for plain HTTP]
+	@$(IMAGE_ENV) REGISTRY='$(REGISTRY)' VERSION='$(IMAGE_VERSION)' REGISTRY_TLS_VERIFY='$(REGISTRY_TLS_VERIFY)' \
+	  bash docker/build_images.sh push

@@ -6,6 +6,7 @@
 #   docker/build_images.sh deps     podman runc debootstrap docker-compose (apt) + containers.conf
 #   docker/build_images.sh base     localhost/debian-min:bookworm (debootstrap) -> PYTHON_IMAGE
 #   docker/build_images.sh images   every target compose builds, checked inside, sizes printed
+#   docker/build_images.sh push     each built image to REGISTRY as recsys-<name>:VERSION, digests
 #
 # IMAGE_TAG (latest; compose's RECSYS_IMAGE_TAG), IMAGE_TARGETS (trainer torchserve gateway locust
 # prometheus; torchserve-cuda too for the CUDA build), IMAGE_BASE (empty: python:3.11-slim when it can be
@@ -20,7 +21,7 @@ TARGETS=${IMAGE_TARGETS:-trainer torchserve gateway locust prometheus}
 DEBIAN_IMAGE=localhost/debian-min:bookworm
 PYTHON_IMAGE=${PYTHON_IMAGE:-localhost/recsys-python:3.11}
 UPSTREAM_BASE=docker.io/library/python:3.11-slim
-PACKAGES=(podman runc debootstrap docker-compose catatonit)
+PACKAGES=(podman runc debootstrap docker-compose catatonit docker-registry)
 CONTAINERS_CONF='[containers]
 default_ulimits = ["nofile=4096:4096", "nproc=4096:4096"]
 [engine]
@@ -250,9 +251,32 @@ images() {
 	[ ${#failed[@]} -eq 0 ] || die "not built: ${failed[*]}"
 }
 
+# Each image of TARGETS (recsys-stack/<t>:TAG, as `images` built it) tagged
+# REGISTRY/recsys-<t>:VERSION and pushed; one line per image with the digest a cluster pulls by
+# (REGISTRY/recsys-<t>@sha256:...). REGISTRY_TLS_VERIFY=false for a registry on plain HTTP.
+push() {
+	need_podman
+	[ -n "${REGISTRY:-}" ] || die "REGISTRY is empty: make push REGISTRY=host:port (e.g. 127.0.0.1:5000)"
+	[ -n "${VERSION:-}" ] || die "VERSION is empty (make push takes it from pyproject.toml)"
+	local t image remote digest out
+	out=$(mktemp -d)
+	trap 'rm -rf "$out"' RETURN
+	for t in $TARGETS; do
+		image=recsys-stack/$t:$TAG
+		podman image exists "$image" || die "$image not built: make images IMAGE_TARGETS=$t"
+		remote=$REGISTRY/recsys-$t:$VERSION
+		podman tag "$image" "$remote"
+		podman push -q --tls-verify="${REGISTRY_TLS_VERIFY:-true}" --digestfile "$out/$t" "$remote" ||
+			die "push of $remote failed (a plain-HTTP registry: REGISTRY_TLS_VERIFY=false)"
+		digest=$(cat "$out/$t")
+		echo "$remote  $REGISTRY/recsys-$t@$digest"
+	done
+}
+
 case ${1:-} in
 deps) deps ;;
 base) base ;;
 images) images ;;
-*) die "usage: docker/build_images.sh deps|base|images" ;;
+push) push ;;
+*) die "usage: docker/build_images.sh deps|base|images|push" ;;
 esac
