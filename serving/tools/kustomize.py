@@ -88,12 +88,11 @@ def render(folder: Path) -> list[Doc]:
 def apply_patch(docs: list[Doc], entry: Doc, where: str, folder: Path) -> list[Doc]:
     if "path" in entry:
         body = load_yaml(folder / entry["path"])
-        body = body[0] if len(body) == 1 and isinstance(body[0], list) else body
     elif "patch" in entry:
         body = [d for d in yaml.safe_load_all(entry["patch"]) if d is not None]
-        body = body[0] if len(body) == 1 and isinstance(body[0], list) else body
     else:
         raise KustomizeError(f"{where}: neither path nor patch")
+    body = body[0] if len(body) == 1 and isinstance(body[0], list) else body  # a 6902 list
     target = entry.get("target")
     if body and all(isinstance(op, dict) and "op" in op for op in body):  # JSON 6902
         if not target:

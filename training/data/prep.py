@@ -23,24 +23,18 @@ from training.features import NUM_SPARSE
 logger = logging.getLogger(__name__)
 
 
-def synthetic_path(cfg: DataConfig) -> Path:
-    """Synthetic TSV for this config (name encodes rows, vocab and seed, so it caches)."""
-    from training.data.first_run import synthetic_file
-
-    return synthetic_file(cfg)
-
-
 def input_paths(cfg: DataConfig, progress: bool) -> list[Path]:
     """The TSV files of ``cfg``: ``data.path``'s, or the synthetic file (generated once, under
     its lock, when missing)."""
     from training.data.build import locked
     from training.data.criteo import resolve_data_paths
+    from training.data.first_run import synthetic_file
     from training.data.synthetic import SyntheticSpec, generate, prob_sidecar
 
     if cfg.path:
         paths = resolve_data_paths(Path(cfg.path))
     else:
-        tsv = synthetic_path(cfg)
+        tsv = synthetic_file(cfg)
         # Locked like the cache: two nodes' `--prepare-only` on one shared folder generate it
         # once (a second copy renamed over the first would change its mtime, hence the cache
         # key, and the cache would be built twice).

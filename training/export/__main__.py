@@ -36,9 +36,7 @@ def format_report(summary: dict[str, Any]) -> str:
     ref = parity.get("reference", "eager")
     w = max(8, *(len(v) for v in sizes))
     lines.append(f"{'variant':<{w}}  size MiB   vs fp32   AUC       max|Δp| vs {ref}")
-    sampled = {
-        v: n for v, n in parity.get("rows_by_variant", {}).items() if n < parity["rows"]
-    }  # variants not served here, checked on their first n rows
+    sampled = sampled_rows(parity)
     for v, b in sizes.items():
         diff = parity["max_abs_diff"].get(v)
         lines.append(
@@ -79,14 +77,18 @@ def format_report(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def sampled_rows(parity: dict[str, Any]) -> dict[str, int]:
+    """The variants checked on their first n parity rows only (not served here): n."""
+    return {v: n for v, n in parity.get("rows_by_variant", {}).items() if n < parity["rows"]}
+
+
 def cost_line(parity: dict[str, Any], timings: dict[str, float]) -> str:
     """What the export's stages took, parity's per model: its cost is rows x models."""
     per = ", ".join(f"{m} {t:.1f} s" for m, t in parity.get("seconds", {}).items())
     stages = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in timings.items())
     latency = "" if "latency" in parity else "; latency not measured (--latency)"
-    some = [f"{v} {n:,}" for v, n in parity.get("rows_by_variant", {}).items()
-            if n < parity["rows"]]  # fmt: skip
-    rows = f"{parity['rows']:,} held-out rows" + (f" ({', '.join(some)})" if some else "")
+    some = ", ".join(f"{v} {n:,}" for v, n in sampled_rows(parity).items())
+    rows = f"{parity['rows']:,} held-out rows" + (f" ({some})" if some else "")
     return (f"parity: {rows}, each model once ({per}){latency}\n"
             f"seconds: {stages} ({sum(timings.values()):.1f} s in all)")  # fmt: skip
 

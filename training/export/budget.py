@@ -7,9 +7,9 @@ pooled embedding). Starting from every table in fp16, the step with the least ad
 byte saved (one table to a lower format: fp16 -> int8 -> int4, or straight to int4 where int8
 saves nothing) is taken until the file fits the budget; then tables are raised back while it
 still fits (the last step may free far more than was missing): greedy, close to optimal when
-each table's loss is convex in bytes (int4's error is ~100x int8's here). The written file is rebuilt from the streamed fp32 tables (the
-trained weights), one table at a time; its parity (|ΔAUC| vs the reference) is judged like the
-other reduced formats.
+each table's loss is convex in bytes (int4's error is ~100x int8's here). The written file is
+rebuilt from the streamed fp32 tables (the trained weights), one table at a time; its parity
+(|ΔAUC| vs the reference) is judged like the other reduced formats.
 """
 
 from __future__ import annotations

@@ -27,11 +27,11 @@ def data_record(cfg: Any, meta: dict[str, Any], unseen: Path | None = None) -> d
     """The ``data`` record of the checkpoint ``meta`` of config ``cfg``; ``unseen``: a file
     none of whose rows it trained on (module doc)."""
     from training.data.criteo import resolve_data_paths
-    from training.data.prep import synthetic_path
+    from training.data.first_run import synthetic_file
 
     info = meta.get("data", {})
     try:
-        files = resolve_data_paths(cfg.data.path) if cfg.data.path else [synthetic_path(cfg.data)]
+        files = resolve_data_paths(cfg.data.path) if cfg.data.path else [synthetic_file(cfg.data)]
     except DataError:  # gone since training: recorded by path, the tools then refuse it
         files = [Path(cfg.data.path)]
     skipped = int(info.get("parse_report", {}).get("rows_bad", 0))
