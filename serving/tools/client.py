@@ -137,7 +137,9 @@ def read_rows(window: Window) -> Rows:
 def rpc_error(e: grpc.RpcError, target: str) -> str:
     """A failed call in one line; no gateway at ``target`` says how to start one."""
     code, details = e.code(), e.details() or ""  # type: ignore[attr-defined]
-    refused = "failed to connect" in details and "handshake" not in details.lower()
+    said = details.lower()  # pick_first: "failed to connect to all addresses"; round_robin:
+    # "connections to all backends failing; ... Failed to connect to remote host: ..."
+    refused = "failed to connect" in said and "handshake" not in said
     if code == grpc.StatusCode.UNAVAILABLE and refused:  # nothing listens there
         return (
             f"UNAVAILABLE: no gateway answers at {target}: start the stack with "
