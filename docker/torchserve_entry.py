@@ -5,7 +5,8 @@ session and returns once the model is READY, leaving it in the background. In a 
 must stay alive, so this script starts the same TorchServe (``serving.torchserve``: same
 ``TorchServeConfig`` through the same loader, same config.properties, token auth on, model API
 off as compose sets ``RECSYS_TS_MODEL_API=false``), stays in the foreground copying
-TorchServe's log to stdout, and on SIGTERM stops the whole group (launcher, java, workers).
+TorchServe's log to stdout, and on SIGTERM drains and stops the whole group (java first: it answers the calls its workers
+hold and closes its ports, then the launcher and workers go; ``process.stop``).
 
 Configured like every entry point: ``--config FILE.toml``, flags, ``key=value`` and the
 variables ``python docker/torchserve_entry.py --help`` lists (``RECSYS_TS_*`` ports, workers,
@@ -43,6 +44,7 @@ from serving.torchserve.keys import KeyFileError, write_inference_copy
 
 INFERENCE_KEY_ENV = "RECSYS_TS_INFERENCE_KEY_FILE"
 ADVERTISE_ENV = "RECSYS_TS_ADVERTISE_HOST"
+STOP_S = 15.0  # the drain's bound (java answers its calls, then the rest); compose grants 20 s
 
 
 def advertised_host() -> str:
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             copied = share_inference_key(cfg.key_file, Path(share), copied)
         if stopping:
             stop_probes.set()
-            process.stop(proc)
+            process.stop(proc, timeout=STOP_S)
             copy_log(cfg.log_file, at)
             return 0
         if proc.poll() is not None:
