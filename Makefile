@@ -232,6 +232,13 @@ FRESHNESS_ARGS ?=
 bench-freshness: setup  ## delta vs full re-export at the demo and criteo-kaggle shapes: rows, bytes, freshness_s, failed calls, max |diff| [FRESHNESS_ARGS]
 	$(PY) -m loadtest.freshness $(FRESHNESS_ARGS)
 
+# A replica's start, quiet and beside a 2-process CPU hog: phases from TorchServe's log (JVM up,
+# worker spawned, handler loaded, READY, first call): reports/bench-ready/.
+.PHONY: bench-ready
+READY_ARGS ?= --store demo=model_store
+bench-ready: setup  ## a replica's start to its first answered call, quiet vs beside a CPU hog, by phase (reports/bench-ready/) [READY_ARGS: --store L=DIR, --kaggle DIR]
+	$(PY) -m serving.bench.ready $(READY_ARGS)
+
 # Issue 45: one client's abuse must cost another client nothing. A legitimate client measured
 # alone, then beside each abuser in turn (another tenant's largest requests, calls without a
 # token, idle TLS connections past the gateway's open-files limit, /metrics scrapes, JSON bombs,
