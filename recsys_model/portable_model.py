@@ -81,8 +81,11 @@ class PortableScorer(nn.Module):
         self.dcn_v = nn.Parameter(torch.zeros(self.dcn_layers, rank, width), requires_grad=False)
         self.dcn_w = nn.Parameter(torch.zeros(self.dcn_layers, width, rank), requires_grad=False)
         self.dcn_b = nn.Parameter(torch.zeros(self.dcn_layers, width), requires_grad=False)
-        # dot interactions: the upper triangle of [F+1, F+1], diagonal excluded
-        self.register_buffer("triu", torch.triu_indices(feats, feats, offset=1))
+        # dot interactions: the upper triangle of [F+1, F+1], diagonal excluded. On CPU even
+        # when built under ``torch.device("meta")`` (a mapped scorer's skeleton): the meta
+        # triu_indices is torch._refs', whose first call imported torch._prims & co, 2.0 of a
+        # demo replica's 5.7 s to its first answer (make bench-ready)
+        self.register_buffer("triu", torch.triu_indices(feats, feats, offset=1, device="cpu"))
         over_in = width if self.dcn_layers else dim + feats * (feats - 1) // 2
         sizes = [over_in, *spec["over_arch"]]
         self.over = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(sizes))
