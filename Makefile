@@ -53,14 +53,17 @@ $(VENV)/.installed: requirements/lock.txt requirements/device-cpu.txt pyproject.
 	$(PY) -m serving.protos
 	touch $@
 
-# Locks: everything (make setup), and the torch-free images' sets (gateway: serve, locust: load).
+# Locks: everything (make setup), and each image's own set: the torch images (trainer,
+# torchserve: train + serve, no dev tools), the gateway (serve) and locust (load). The image
+# locks are resolved under lock.txt (-c): the same versions and hashes as the venv the suite tests.
 UV_COMPILE = $(VENV)/bin/uv pip compile --generate-hashes --find-links /opt/wheels --python-version 3.11 \
 	--python-platform x86_64-manylinux_2_28 --no-emit-package recsys-stack --no-emit-package torch \
 	--custom-compile-command "make lock" pyproject.toml
 lock:  ## re-resolve requirements/*.lock.txt from pyproject.toml's ranges (uv)
 	$(UV_COMPILE) --all-extras -o requirements/lock.txt
-	$(UV_COMPILE) --extra serve -o requirements/serve.lock.txt
-	$(UV_COMPILE) --extra load -o requirements/load.lock.txt
+	$(UV_COMPILE) --extra train --extra serve -c requirements/lock.txt -o requirements/torch.lock.txt
+	$(UV_COMPILE) --extra serve -c requirements/lock.txt -o requirements/serve.lock.txt
+	$(UV_COMPILE) --extra load -c requirements/lock.txt -o requirements/load.lock.txt
 
 TRAIN_ARGS = --config training/configs/$(PRESET).toml --run-dir $(RUN) $(if $(DATA),--data $(DATA)) $(ARGS)
 
@@ -256,7 +259,8 @@ test: test-deps setup  ## the CI suite (CPU, real torchrun process groups, real 
 	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) --ignore=tests/containers --ignore=tests/slurm $(PYTEST_ARGS)
 
 # The stack in real containers (tests/containers: docker-compose over podman's socket, podman kube
-# play): the images built first (make images keeps podman's layers, so a rebuild is quick).
+# play): the images built first (make images keeps the layers under its tagged images, so a rebuild
+# is quick; only the gateway's two build stages are redone: docs/deploy.md).
 .PHONY: compose-test
 compose-test: setup container-deps images  ## the compose stack (and the k8s manifests) run for real in podman containers
 	$(PY) -m pytest tests/containers $(PYTEST_ARGS)
@@ -293,8 +297,11 @@ IMAGE_TARGETS ?= trainer torchserve gateway locust prometheus
 IMAGE_BASE ?=
 TORCH_INDEX ?= auto
 MIRROR ?=
+# 1: after a good build, remove the untagged images of docker/Dockerfile (build stages, replaced
+# images; docs/deploy.md); 0 keeps them (the fastwire and gateway-venv stages stay cached).
+IMAGE_PRUNE ?= 1
 IMAGE_ENV = IMAGE_TAG='$(IMAGE_TAG)' IMAGE_TARGETS='$(IMAGE_TARGETS)' IMAGE_BASE='$(IMAGE_BASE)' \
-	TORCH_INDEX='$(TORCH_INDEX)' MIRROR='$(MIRROR)' $(if $(filter command line,$(origin FBGEMM)),FBGEMM='$(FBGEMM)')
+	TORCH_INDEX='$(TORCH_INDEX)' MIRROR='$(MIRROR)' IMAGE_PRUNE='$(IMAGE_PRUNE)' $(if $(filter command line,$(origin FBGEMM)),FBGEMM='$(FBGEMM)')
 .PHONY: container-deps base-image images
 container-deps:  ## install podman, runc, debootstrap, docker-compose (apt) and podman's /etc/containers/containers.conf
 	@bash docker/build_images.sh deps
@@ -302,16 +309,17 @@ container-deps:  ## install podman, runc, debootstrap, docker-compose (apt) and 
 base-image:  ## the Python base without a registry: debootstrap -> localhost/debian-min:bookworm -> localhost/recsys-python:3.11
 	@$(IMAGE_ENV) nice -n 10 bash docker/build_images.sh base
 
-images:  ## podman-build every compose image (IMAGE_TARGETS, tag IMAGE_TAG; IMAGE_BASE: python:3.11-slim or the local base), check and list sizes
+images:  ## podman-build every compose image (IMAGE_TARGETS, tag IMAGE_TAG; IMAGE_BASE: python:3.11-slim or the local base), check, list sizes, remove the build stages [IMAGE_PRUNE=0 keeps them]
 	@$(IMAGE_ENV) nice -n 10 bash docker/build_images.sh images
 
 # The images to a registry, tagged by the project's version: REGISTRY/recsys-<name>:VERSION (the
-# cluster overlay's names), one line per image with its digest. A local registry for trying it:
-# Debian's docker-registry (make container-deps installs it; docs/deploy.md).
+# cluster overlay's names), one line per image with its digest, then the compose variables that
+# run them (RECSYS_IMAGE_PREFIX=REGISTRY/recsys- RECSYS_IMAGE_TAG=VERSION). A local registry for
+# trying it: Debian's docker-registry (make container-deps installs it; docs/deploy.md).
 REGISTRY ?=
 IMAGE_VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 REGISTRY_TLS_VERIFY ?= true
 .PHONY: push
-push:  ## tag and push IMAGE_TARGETS as REGISTRY/recsys-<name>:<project version>; prints each digest [REGISTRY_TLS_VERIFY=false for plain HTTP]
+push:  ## tag and push IMAGE_TARGETS as REGISTRY/recsys-<name>:<project version>; prints each digest and compose's variables [REGISTRY_TLS_VERIFY=false for plain HTTP]
 	@$(IMAGE_ENV) REGISTRY='$(REGISTRY)' VERSION='$(IMAGE_VERSION)' REGISTRY_TLS_VERIFY='$(REGISTRY_TLS_VERIFY)' \
 	  bash docker/build_images.sh push

@@ -5,14 +5,15 @@
 #
 #   docker/build_images.sh deps     podman runc debootstrap docker-compose (apt) + containers.conf
 #   docker/build_images.sh base     localhost/debian-min:bookworm (debootstrap) -> PYTHON_IMAGE
-#   docker/build_images.sh images   every target compose builds, checked inside, sizes printed
+#   docker/build_images.sh images   every target compose builds, checked inside, sizes printed, then
+#                                   the untagged images of docker/Dockerfile removed (IMAGE_PRUNE)
 #   docker/build_images.sh push     each built image to REGISTRY as recsys-<name>:VERSION, digests
 #
 # IMAGE_TAG (latest; compose's RECSYS_IMAGE_TAG), IMAGE_TARGETS (trainer torchserve gateway locust
 # prometheus; torchserve-cuda too for the CUDA build), IMAGE_BASE (empty: python:3.11-slim when it can be
 # pulled, else the local Debian base), TORCH_INDEX (auto: "none" = the hashed CPU wheel of pip's
 # find-links when it is there, else download.pytorch.org's CPU index), FBGEMM, MIRROR (the Debian
-# mirror; empty: the one apt's sources name).
+# mirror; empty: the one apt's sources name), IMAGE_PRUNE (1; 0 keeps the build stages' layers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +22,7 @@ TARGETS=${IMAGE_TARGETS:-trainer torchserve gateway locust prometheus}
 DEBIAN_IMAGE=localhost/debian-min:bookworm
 PYTHON_IMAGE=${PYTHON_IMAGE:-localhost/recsys-python:3.11}
 UPSTREAM_BASE=docker.io/library/python:3.11-slim
+LABEL=recsys-stack.built-from=docker/Dockerfile # docker/Dockerfile's LABEL: every stage carries it
 PACKAGES=(podman runc debootstrap docker-compose catatonit docker-registry)
 CONTAINERS_CONF='[containers]
 default_ulimits = ["nofile=4096:4096", "nproc=4096:4096"]
@@ -161,6 +163,15 @@ make_context() {
 	fi
 }
 
+# Every module of the packages named after -c (but __main__; loadtest is the locust image's):
+# the torch images hold only the train + serve lock, so a module needing anything else (a dev
+# tool, locust) fails the check by name.
+IMPORT_ALL='import importlib, pkgutil, sys
+for top in sys.argv[1:]:
+    for m in pkgutil.walk_packages(importlib.import_module(top).__path__, top + "."):
+        if not m.name.endswith("__main__"):
+            importlib.import_module(m.name)'
+
 check() {
 	local image=$1 target=$2
 	case $target in
@@ -176,13 +187,15 @@ assert u.find_spec('torch') is None, 'torch in the locust image'" &&
 		;;
 	torchserve*)
 		podman run --rm --no-healthcheck "$image" torchserve --help >/dev/null &&
-			podman run --rm --no-healthcheck "$image" python -c "import torch, fbgemm_gpu, torchrec"
+			podman run --rm --no-healthcheck "$image" python -c "import torch, fbgemm_gpu, torchrec, \
+ts.torch_handler.base_handler, serving.worker.handler; $IMPORT_ALL" serving recsys_stack recsys_model
 		;;
 	prometheus)
 		podman run --rm --no-healthcheck "$image" --version >/dev/null
 		;;
 	trainer)
-		podman run --rm --no-healthcheck "$image" python -c "import torch, fbgemm_gpu, torchrec" &&
+		podman run --rm --no-healthcheck "$image" python -c "import torch, fbgemm_gpu, torchrec; \
+$IMPORT_ALL" training serving recsys_stack recsys_model &&
 			podman run --rm --no-healthcheck "$image" python -m training.train --help >/dev/null
 		;;
 	esac
@@ -247,8 +260,25 @@ images() {
 	for image in "${built[@]}"; do
 		printf '%-38s %9s %14s\n' "localhost/$image" "$(size_mb "$image")" "$(($(size_mb "$image") - b))"
 	done
+	[ ${#failed[@]} -eq 0 ] || die "not built: ${failed[*]} ($(($(now) - start)) s; build stages kept for the rerun)"
+	[ "${IMAGE_PRUNE:-1}" = 0 ] || prune_stages
 	echo "total $(($(now) - start)) s"
-	[ ${#failed[@]} -eq 0 ] || die "not built: ${failed[*]}"
+}
+
+# The untagged images docker/Dockerfile made (its label), this build's or an earlier one's: the
+# build stages no tagged image stands on (fastwire's compiler, gateway-venv's venv) and the
+# images a rebuild replaced. `podman image prune` repeats until none is left, never takes an
+# image a container uses, and leaves alone every image without the label (yours, the bases). The
+# layers under the tagged images (runtime, python, torch-deps with the pip installs) stay: the
+# next build reuses them and redoes only those two stages (IMAGE_PRUNE=0 keeps them too).
+prune_stages() {
+	local out n
+	out=$(podman image prune -f --filter "label=$LABEL") || {
+		echo "warning: podman image prune failed: the build stages stay (podman images shows them as <none>)" >&2
+		return 0
+	}
+	n=$(printf '%s' "$out" | grep -c . || true)
+	echo "removed $n untagged images of docker/Dockerfile (build stages, images a rebuild replaced)"
 }
 
 # Each image of TARGETS (recsys-stack/<t>:TAG, as `images` built it) tagged
@@ -271,6 +301,12 @@ push() {
 		digest=$(cat "$out/$t")
 		echo "$remote  $REGISTRY/recsys-$t@$digest"
 	done
+	# docker-compose.yml names its images ${RECSYS_IMAGE_PREFIX}<target>:${RECSYS_IMAGE_TAG}
+	local prometheus=""
+	if [[ " $TARGETS " == *" prometheus "* ]]; then
+		prometheus=" RECSYS_PROMETHEUS_IMAGE=$REGISTRY/recsys-prometheus:$VERSION"
+	fi
+	echo "compose: RECSYS_IMAGE_PREFIX=$REGISTRY/recsys- RECSYS_IMAGE_TAG=$VERSION$prometheus docker-compose pull, then up --no-build"
 }
 
 case ${1:-} in
