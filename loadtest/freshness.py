@@ -45,7 +45,7 @@ from loadtest.config import LoadConfig
 from loadtest.faults import stop_all
 from loadtest.locust_runner import run_locust
 from serving.gateway.config import GatewayConfig
-from serving.tools.deltas import move
+from serving.tools.deltas import judge, move
 from serving.torchserve import manage
 from serving.torchserve.client import inference_key, score
 from serving.worker.codec import decode_response, encode_request
@@ -162,12 +162,14 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
         if not printed:
             raise RuntimeError(f"training.export.delta exited {maker.wait(900)}: see {work}")
         record = json.loads(printed)
+        record["gate"] = judge(Path(record["gate"]["judge"]), [])  # the rollout's rules
         if not record["gate"]["passed"]:
             raise RuntimeError(f"the evaluated gate refused the delta: {record['gate']}")
+        entry = {k: v for k, v in record.items() if k != "gate"}
         maker.wait(timeout=900)
         pids = [int(w["pid"]) for r in cluster.replicas
                 for m in manage.describe(r.cfg, model, "1") or [] for w in m["workers"]]  # fmt: skip
-        moved = move(folder, [record], pids, 120)
+        moved = move(folder, lambda _: [entry], pids, 120)
         t_served = time.time()
         calls, bad = failed(records, t_end, t_served)
         result["delta"] = {"rows": record["rows"], "bytes": record["bytes"],
@@ -183,10 +185,10 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
                  rng.integers(0, 10**7, feats * b), np.ones((feats, b), np.int32))  # fmt: skip
         after = replies(cluster, encode_request(*batch), (model, "1"))
         t_back = time.time()  # rollback to N under the same load: the pointer back one delta
-        back = move(folder, [], pids, 120)
+        back = move(folder, lambda _: [], pids, 120)
         calls, bad = failed(records, t_back, time.time())
         result["rollback"] = {"served_s": back["served_s"], "calls": calls, "failed": bad}
-        move(folder, [record], pids, 120)  # and forward again: the full path starts from N+1
+        move(folder, lambda _: [entry], pids, 120)  # forward again: the full path starts at N+1
         t_full = time.time()
         export_s = export(run, store, "2", work)
         for r in cluster.replicas:

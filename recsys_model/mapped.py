@@ -292,8 +292,9 @@ def _bag(
         kernel = getattr(torch.ops.quantized, _OPS[fmt][2])
         return kernel(grid, ids, offsets, False, 0, False, weights, None, False)  # type: ignore[no-any-return]
     weight = grid.view(_DTYPES[fmt])
+    per_row = None if weights is None else weights.to(weight.dtype)  # 0 or 1: exact in fp16
     return torch.nn.functional.embedding_bag(
-        ids, weight, offsets, mode="sum", per_sample_weights=weights
+        ids, weight, offsets, mode="sum", per_sample_weights=per_row
     ).float()
 
 

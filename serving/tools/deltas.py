@@ -1,16 +1,26 @@
 """``python -m serving.tools.deltas``: move the running stack to an embedding delta, or back.
 
-``publish --record JSON`` appends the delta its record names (written by ``python -m training.export.delta`` into
-``<store>/deltas/<model>/<default version>/``) to that folder's chain: the pointer
-(``current.json``) is replaced by rename, every worker of every replica picks it up within
-~0.2 s, builds the new version beside the old and swaps it in whole (serving/worker/deltas.py),
-then says so in ``acks/<pid>.json``. The command waits until each worker TorchServe lists on
-each replica (management API) acknowledges it: ``served_s`` is that wait. A worker that
-refuses the delta (checksum, base, order) keeps the old version, and the pointer is put back.
+``publish --record JSON`` appends the delta its record names (written by ``python -m
+training.export.delta`` into ``<store>/deltas/<model>/<default version>/``) to that folder's
+chain. First the record's gate, when it has one (the probabilities of what serves and of the
+candidate on rows it never trained on): judged by the rollout's rules, its ``--margin``
+(``--rollout-args``, parsed as the rollout parses them) and its refusal on rows the default
+scores near chance on; refused, nothing moves (exit 1, ``"refused": "gate"``). Then every
+worker's ack from its start: one that takes no delta (fp16/fp32 tables, TorchScript, CUDA) or
+serves tables of another format refuses it before the pointer moves. Then the pointer
+(``current.json``) is replaced by rename under its lock (the chain must still end at the
+delta's parent), every worker picks it up within ~0.2 s, builds the new version beside the old
+and swaps it in whole (serving/worker/deltas.py), then says so in ``acks/<pid>.json``, naming the
+pointer's write time and the chain's last file and sha256: only acks of this pointer count
+(one written before it moved never does). The command waits until each worker TorchServe lists
+on each replica (management API) acknowledges it: ``served_s`` is that wait. A worker that
+refuses the delta (its own error is reported: format, checksum, base, order) keeps the old
+version, and the pointer is put back; so it is when one does not answer in ``--timeout-s``.
 With ``--dwell-s`` > 0 the error gate then watches the gateway's counters of the served
 version for that long: more than ``--max-error-ratio`` non-OK calls (or too few calls to tell,
 ``--error-min-requests``) and the chain goes back one delta. ``rollback`` drops the last delta
-(workers keep the last chains built: a swap, no I/O). Prints one JSON record.
+(workers keep the last chains built: a swap, no I/O). Prints one JSON record (also on an error:
+``promoted`` false and the ``reason``).
 """
 
 from __future__ import annotations
@@ -19,13 +29,19 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from recsys_model.delta import read_pointer, write_pointer
+import numpy as np
+
+from recsys_model.delta import update_pointer
+from recsys_stack.config import ConfigError, parse
 from serving import plan as plan_io
 from serving.gateway.config import ChannelConfig
+from serving.tools import canary
+from serving.tools import evaluate as ev
+from serving.tools.rollout import RolloutConfig
 from serving.tools.served import Gateway, RolloutError, Stack
 from serving.tools.state import WORKDIR
 from serving.torchserve import manage
@@ -58,40 +74,109 @@ def acks(folder: Path, pids: Sequence[int]) -> dict[int, dict[str, Any]]:
     return out
 
 
-def wait_served(folder: Path, label: str, pids: Sequence[int], timeout: float) -> float:
-    """Seconds until every one of ``pids`` serves ``label``; raises RolloutError when one
-    refuses it (its error) or on timeout."""
+def answered(ack: dict[str, Any], pointer: dict[str, Any]) -> bool:
+    """Whether ``ack`` answers ``pointer`` (or a later one): its pointer time is not older. An
+    ack written before the pointer moved says nothing of it, whatever label it names."""
+    return ack.get("deltas") is not False and float(ack.get("pointer_time") or 0) >= float(
+        pointer.get("time", 0)
+    )
+
+
+def serves(ack: dict[str, Any], pointer: dict[str, Any]) -> bool:
+    """Whether ``ack`` says its worker serves ``pointer``'s chain (its last file and sha256)."""
+    last = pointer["chain"][-1] if pointer["chain"] else {"file": "", "sha256": ""}
+    return (answered(ack, pointer) and not ack.get("error")
+            and (ack.get("file"), ack.get("sha256")) == (last["file"], last["sha256"]))  # fmt: skip
+
+
+def wait_served(
+    folder: Path, pointer: dict[str, Any], pids: Sequence[int], timeout: float
+) -> float:
+    """Seconds until every one of ``pids`` acknowledges serving ``pointer`` (:func:`serves`);
+    raises RolloutError with a worker's own error when it refuses it (an ack of this pointer
+    with an error) or takes no delta at all, or on timeout."""
+    label = pointer["chain"][-1]["version"] if pointer["chain"] else ""
     t0 = time.monotonic()
     while True:
         seen = acks(folder, pids)
-        if all(seen.get(p, {}).get("version") == label for p in pids):
+        if all(serves(seen.get(p, {}), pointer) for p in pids):
             return time.monotonic() - t0
-        errors = [a["error"] for a in seen.values() if a.get("error") and a["version"] != label]
-        if errors and all(a.get("time", 0) > 0 for a in seen.values()):
-            raise RolloutError(f"a worker refused {label or 'the base'}: {errors[0]}")
+        for pid, ack in seen.items():
+            if ack.get("deltas") is False or (answered(ack, pointer) and ack.get("error")):
+                raise RolloutError(f"worker {pid} refused {label or 'the base'}: {ack['error']}")
         if time.monotonic() - t0 > timeout:
-            late = [p for p in pids if seen.get(p, {}).get("version") != label]
-            raise RolloutError(f"workers {late} do not serve {label!r} after {timeout:g} s")
+            late = [p for p in pids if not serves(seen.get(p, {}), pointer)]
+            raise RolloutError(f"workers {late} do not acknowledge {label or 'the base'!r} "
+                               f"after {timeout:g} s")  # fmt: skip
         time.sleep(0.05)
 
 
-def move(
-    folder: Path, chain: list[dict[str, Any]], pids: Sequence[int], timeout: float
-) -> dict[str, Any]:
-    """Point ``folder`` at ``chain`` and wait until every worker serves it; on a refusal or
-    timeout the old chain is put back (and waited for) and RolloutError raised."""
-    old = read_pointer(folder)["chain"]
-    label = chain[-1]["version"] if chain else ""
-    t0 = time.time()
-    write_pointer(folder, chain)
+Change = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
+
+
+def move(folder: Path, change: Change, pids: Sequence[int], timeout: float) -> dict[str, Any]:
+    """Point ``folder`` at ``change(its chain)`` (under the pointer's lock) and wait until
+    every worker serves it. On a refusal or timeout the old chain is put back (unless another
+    moved the pointer meanwhile) and waited for by the workers that had answered (the others
+    never left it), and RolloutError raised with the first error."""
+    if not pids:
+        raise RolloutError(f"{folder}: no worker of this version is running")
+    old, pointer = update_pointer(folder, change)
+    label = pointer["version"]
     try:
-        served = wait_served(folder, label, pids, timeout)
+        served = wait_served(folder, pointer, pids, timeout)
     except RolloutError as e:
-        write_pointer(folder, old)
-        wait_served(folder, old[-1]["version"] if old else "", pids, timeout)
-        raise RolloutError(f"{e}; back to {old[-1]['version'] if old else 'the base'}") from None
-    return {"version": label, "pointer_time": t0, "served_s": round(served, 3),
+        moved = [p for p, ack in acks(folder, pids).items() if answered(ack, pointer)]
+        _, back = update_pointer(folder, lambda now: old if now == pointer["chain"] else now)
+        where = back["version"] or "the base"
+        try:
+            wait_served(folder, back, moved, timeout)
+        except RolloutError as again:
+            raise RolloutError(f"{e}; the pointer is back on {where}, but {again}") from None
+        raise RolloutError(f"{e}; back to {where}") from None
+    return {"version": label, "pointer_time": pointer["time"], "served_s": round(served, 3),
             "workers": len(pids)}  # fmt: skip
+
+
+def append(entry: dict[str, Any]) -> Change:
+    """The change that appends ``entry`` to a chain ending at its parent (else RolloutError:
+    the pointer moved after the delta was made, which its workers would refuse)."""
+
+    def change(chain: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        end = chain[-1]["version"] if chain else ""
+        if entry.get("parent", end) != end:
+            raise RolloutError(f"{entry['file']} follows {entry['parent']!r} but the chain ends "
+                               f"at {end!r} (it moved since the delta was made): make it again")  # fmt: skip
+        return [*chain, entry]
+
+    return change
+
+
+def check_workers(folder: Path, pids: Sequence[int], fmt: str | None) -> None:
+    """RolloutError before the pointer moves when a worker's ack (written at its start) says
+    it takes no delta or serves tables of another format than ``fmt``."""
+    for pid, ack in acks(folder, pids).items():
+        if ack.get("deltas") is False:
+            raise RolloutError(f"worker {pid} takes no delta: {ack.get('error')}")
+        if fmt and ack.get("format") and ack["format"] != fmt:
+            raise RolloutError(f"worker {pid} serves {ack['format']} tables, the delta is of "
+                               f"{fmt} rows: make it for {ack['format']}")  # fmt: skip
+
+
+def judge(path: Path, rollout_args: Sequence[str]) -> dict[str, Any]:
+    """The rollout's evaluated gate on the probabilities ``training.export.delta`` saved in
+    ``path`` (``labels``, ``default``, ``candidate``): the same figures as a rollout's
+    (serving.tools.evaluate), its margin (``rollout_args``, parsed as the rollout parses them)
+    and its near-chance refusal (serving.tools.canary ``compare``)."""
+    cfg = parse(RolloutConfig, list(rollout_args), "python -m serving.tools.rollout", "")
+    with np.load(path) as z:
+        y, now, cand = z["labels"], z["default"], z["candidate"]
+    base, new = (ev.metrics(y, p, 10) for p in (now, cand))
+    ok, table = canary.compare(base, new, cfg.margin)
+    return {"passed": ok, "eval_rows": len(y), "margin": cfg.margin,
+            "auc_default": base["auc"], "auc_candidate": new["auc"],
+            "ne_default": base["normalized_entropy"], "ne_candidate": new["normalized_entropy"],
+            "verdict": table.splitlines()[-1].strip()}  # fmt: skip
 
 
 def error_gate(gw: Gateway, version: str, a: argparse.Namespace) -> str | None:
@@ -114,15 +199,27 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     stack = Stack.find(ChannelConfig(), a.workdir)
     folder, model, version = deltas_folder(stack)
     pids = worker_pids(stack, model, version)
-    chain = read_pointer(folder)["chain"]
     if a.command == "rollback":
-        if not chain:
-            raise RolloutError(f"{folder}: no delta to roll back")
-        return {"event": "delta_rollback", **move(folder, chain[:-1], pids, a.timeout_s)}
+
+        def drop(chain: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            if not chain:
+                raise RolloutError(f"{folder}: no delta to roll back")
+            return chain[:-1]
+
+        return {"event": "delta_rollback", **move(folder, drop, pids, a.timeout_s)}
     entry = json.loads(a.record) if a.record else None
     if entry is None:
         raise RolloutError("publish needs --record (the JSON training.export.delta printed)")
-    out = {"event": "delta", "base": version, **move(folder, [*chain, entry], pids, a.timeout_s)}
+    out: dict[str, Any] = {"event": "delta", "base": version, "version": entry["version"]}
+    judged = entry.pop("gate", None)
+    if judged and judged.get("judge"):
+        out["gate"] = judge(Path(judged["judge"]), json.loads(a.rollout_args))
+        if not out["gate"]["passed"]:
+            out.update(promoted=False, refused="gate",
+                       reason=f"evaluated gate: {out['gate']['verdict']}")  # fmt: skip
+            return out
+    check_workers(folder, pids, entry.get("format"))
+    out.update(move(folder, append(entry), pids, a.timeout_s))
     if a.dwell_s > 0:
         gw = Gateway(stack)
         try:
@@ -130,7 +227,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         finally:
             gw.close()
         if why:
-            move(folder, chain, pids, a.timeout_s)
+            ours = entry["file"]
+            move(folder, lambda now: now[:-1] if now and now[-1]["file"] == ours else now, pids,
+                 a.timeout_s)  # fmt: skip
             out.update(promoted=False, reason=f"error gate: {why}; rolled back")
             return out
     out["promoted"] = True
@@ -147,11 +246,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dwell-s", type=float, default=0.0, help="error gate window (0: off)")
     p.add_argument("--max-error-ratio", type=float, default=0.01)
     p.add_argument("--error-min-requests", type=int, default=20)
+    p.add_argument(
+        "--rollout-args",
+        default="[]",
+        help="JSON list: the rollout's arguments "
+        'whose margin judges the delta\'s gate (e.g. \'["--margin", "0.01"]\')',
+    )
     a = p.parse_args(argv)
     try:
         out = run(a)
-    except (RolloutError, manage.ManageError, OSError) as e:
+    except (RolloutError, manage.ManageError, OSError, ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
+        print(json.dumps({"event": "delta", "promoted": False, "reason": f"error: {e}"}))
         return 1
     print(json.dumps(out))
     return 0 if out.get("promoted", True) else 1

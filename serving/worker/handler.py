@@ -30,9 +30,11 @@ except ImportError:  # pragma: no cover - unit tests without TorchServe
 
 try:  # TorchServe puts the archive's extra files beside the handler, not in a package
     from codec import DESCRIBE, REJECTION, CodecError, decode_json, encode_response, merge  # type: ignore[import-not-found]
-    from deltas import DELTA_DIR_ENV, Deltas, folder_for  # type: ignore[import-not-found]
+    from delta import DELTA_FORMATS  # type: ignore[import-not-found]
+    from deltas import DELTA_DIR_ENV, Deltas, folder_for, no_deltas  # type: ignore[import-not-found]
     from scoring import ScoringModel, choose_variant, to_tensors  # type: ignore[import-not-found]
 except ImportError:
+    from recsys_model.delta import DELTA_FORMATS
     from serving.worker.codec import (
         DESCRIBE,
         REJECTION,
@@ -41,7 +43,7 @@ except ImportError:
         encode_response,
         merge,
     )
-    from serving.worker.deltas import DELTA_DIR_ENV, Deltas, folder_for
+    from serving.worker.deltas import DELTA_DIR_ENV, Deltas, folder_for, no_deltas
     from serving.worker.scoring import ScoringModel, choose_variant, to_tensors
 
 logger = logging.getLogger(__name__)
@@ -118,9 +120,7 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
             "dtype": str(dtype).removeprefix("torch.") if dtype else info.get("dtype", "fp32"),
         }  # fmt: skip
         mapped = info.get("kind") == "mapped" and info.get("file") == artifact
-        self.deltas = (
-            self._deltas(context.manifest["model"], model_dir / artifact) if mapped else None
-        )
+        self.deltas = self._deltas(context.manifest["model"], model_dir / artifact, mapped)
         load_s = time.perf_counter() - t0
         warm = os.environ.get("RECSYS_WARM_UP", "1") != "0"  # 0: skip (tests of startup)
         warm_s = self.scoring.warm_up() if warm else 0.0
@@ -132,17 +132,23 @@ class RecsysHandler(BaseHandler):  # type: ignore[misc,valid-type]
             torch.get_num_threads(), load_s, warm_s,
         )  # fmt: skip
 
-    def _deltas(self, manifest: dict[str, Any], artifact: Path) -> Deltas | None:
-        """With ``RECSYS_DELTA_DIR`` set and int8/int4 mapped tables (``artifact`` is a mapped
-        variant's record, not a TorchScript file): this version's delta chain, applied now (a
-        restarted worker comes up at the latest), then watched."""
+    def _deltas(self, manifest: dict[str, Any], artifact: Path, mapped: bool) -> Deltas | None:
+        """With ``RECSYS_DELTA_DIR`` set and mapped int8/int4/mixed tables on CPU (``artifact``
+        is a mapped variant's record, not a TorchScript file): this version's delta chain,
+        applied now (a restarted worker comes up at the latest), then watched. Any other
+        variant says in its ack that it takes no delta (serving/worker/deltas.py)."""
         root = os.environ.get(DELTA_DIR_ENV, "")
-        if not root or self.served.get("variant") not in ("int8", "int4"):
+        if not root:
+            return None
+        name, version = manifest.get("modelName", ""), manifest.get("modelVersion", "")
+        folder = folder_for(root, name, version)
+        variant, device = self.served.get("variant"), self.served.get("device", "")
+        if not mapped or variant not in DELTA_FORMATS or not device.startswith("cpu"):
+            no_deltas(folder, f"this worker serves {variant} ({self.served.get('file')}) on "
+                              f"{device}: no delta path, publish a full export")  # fmt: skip
             return None
         record = torch.load(artifact, map_location="cpu", weights_only=True)["tables"]
-        name, version = manifest.get("modelName", ""), manifest.get("modelVersion", "")
-        deltas = Deltas(folder_for(root, name, version), self.scoring.model, version,
-                        record["sha256"])  # fmt: skip
+        deltas = Deltas(folder, self.scoring.model, version, record["sha256"], str(variant))
         deltas.poll()
         deltas.watch()
         return deltas

@@ -12,6 +12,7 @@ gated on day 2's rows (which neither model trained on), and every worker acknowl
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from serving.tools.deltas import acks
 from serving.tools.supervisor import read_state
 from tests.conftest import ROOT, _env
 from tests.stack import run_python, start_supervisor
-from tests.training.test_continuous import copy_days, run_continuous
+from tests.training.test_continuous import copy_days, meta_of, run_continuous
 from training.metrics.log import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -89,5 +90,73 @@ def test_the_loop_publishes_a_gated_delta_that_every_worker_serves(tmp_path: Pat
             and record["workers"] == 2
         )
         assert all(a["version"] == "" for a in acks(folder, pids).values())
+    finally:
+        run_python("serving.tools.supervisor", "stop", env=env)
+
+
+def test_an_int4_stack_takes_int4_deltas_and_an_unanswered_one_is_a_full_publish(
+    tmp_path: Path,
+) -> None:
+    """A stack whose workers serve int4 tables is refreshed by int4 deltas (before, the loop
+    made int8 ones, which every int4 worker refused); then, with the workers unable to
+    acknowledge (their acks folder replaced by a file), the next delta is put back after
+    ``continuous.delta_timeout_s`` and the same publish is a full export + rollout, the
+    refused delta's file removed and the ledger's clock restarted by the export."""
+    days = tmp_path / "days"
+    subprocess.run(
+        [sys.executable, "-m", "training.data.synthetic", "--days", "4", "--drift", "0.1",
+         "--rows", str(ROWS), "--vocab", "100", "--out", str(days), "--no-progress"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    inbox, run, store, serve = (tmp_path / n for n in ("inbox", "run", "store", "serve"))
+    common = ["--run-dir", str(run), "--data-dir", str(inbox), "continuous.export_every=1",
+              f'data.cache_dir="{tmp_path / "cache"}"', f'continuous.model_store="{store}"',
+              f'continuous.serve_dir="{serve}"', "continuous.delta_timeout_s=5",
+              """continuous.export_args=["--parity-rows", "2000", "cpu_variant=int4", """
+              """"formats=['int8', 'int4']"]""",
+              'continuous.rollout_args=["--steps", "100", "--keep-previous-s", "0", '
+              '"--drain-s", "0", "--margin", "0.05"]']  # fmt: skip
+    copy_days(days, inbox, ["day_0", "day_1"])
+    run_continuous([*common, "continuous.rollout=false"], nproc=1)
+    (export,) = [e for e in read_metrics(run / "continuous.jsonl") if e["event"] == "export"]
+    assert export["ok"], export
+    version = export["version"]
+    schema = json.loads((run / "export" / "schema.json").read_text())
+    assert schema["serving"]["cpu"] == "int4"
+
+    env = _env({"RECSYS_SERVE_DIR": str(serve), "RECSYS_MODEL_STORE": str(store)})
+    started, _, _ = start_supervisor(run / "export" / "schema.json", env, "--replicas", "1",
+                                     "--torchserve.workers", "2", timeout=300)  # fmt: skip
+    try:
+        assert started.returncode == 0, started.stderr
+        copy_days(days, inbox, ["day_2"])
+        run_continuous([*common, "continuous.deltas=true"], nproc=1)
+        (delta,) = [e for e in read_metrics(run / "continuous.jsonl") if e["event"] == "delta"]
+        print(delta)
+        assert delta["promoted"] and delta["format"] == "int4", delta
+        assert delta["workers"] == 2 and delta["rows"] > 0 and "fallback" not in delta
+        folder = store.resolve() / "deltas" / MODEL / version
+        pids = [int(f.stem) for f in (folder / "acks").glob("*.json")]
+        seen = acks(folder, pids)
+        assert {a["format"] for a in seen.values()} == {"int4"}
+        assert {a["version"] for a in seen.values()} == {delta["version"]}, seen
+
+        shutil.rmtree(folder / "acks")
+        (folder / "acks").write_text("not a folder: no worker can acknowledge\n")
+        copy_days(days, inbox, ["day_3"])
+        run_continuous([*common, "continuous.deltas=true"], nproc=1)
+        events = read_metrics(run / "continuous.jsonl")
+        late = [e for e in events if e.get("step", 0) > delta["step"]]
+        print(late)
+        kinds = [e["event"] for e in late if e["event"] != "file"]
+        assert kinds == ["delta", "export", "rollout"], late
+        refused, full, rolled = (e for e in late if e["event"] != "file")
+        assert not refused["promoted"] and refused["fallback"], refused
+        assert "do not acknowledge" in refused["reason"], refused
+        assert full["ok"] and rolled["promoted"], (full, rolled)
+        assert json.loads((serve / "plan.json").read_text())["default"] == full["version"]
+        assert [e["file"] for e in read_pointer(folder)["chain"]] == [f"0001-{delta['version']}.pt"]
+        assert not list(folder.glob("0002-*")), list(folder.iterdir())  # the refused delta's
+        assert meta_of(run)["continuous"]["files_since_export"] == 1  # counted: the export
     finally:
         run_python("serving.tools.supervisor", "stop", env=env)

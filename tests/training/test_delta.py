@@ -2,8 +2,11 @@
 worker's chain, equal to a full export of the same checkpoint; refused whole when bad; swapped
 whole (a batch never mixes two versions); rolled back without I/O.
 
-One module fixture: a copy of the session's tiny run trained 10 steps further (one process,
-warm), a full export of that checkpoint, and the delta of it over the session's export."""
+Module fixtures: a copy of the session's tiny run trained 10 steps further (one process,
+warm), a full export of that checkpoint (int8, int4, and a memory budget's int8/int4 mix) and
+the delta of it over the session's export; then 10 steps more, its full export, and deltas of
+that checkpoint: the second of an int8 chain over the session's export, and one each over the
+first's int4 and mixed tables."""
 
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ import shutil
 import signal
 import threading
 import time
+import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -22,15 +27,15 @@ import numpy as np
 import pytest
 import torch
 
-from recsys_model.delta import read_pointer, write_pointer
-from recsys_model.mapped import load_mapped
+from recsys_model.delta import read_pointer, update_pointer, write_pointer
+from recsys_model.mapped import layout, load_mapped
 from serving.bench.servers import wait_all_workers
-from serving.tools.deltas import wait_served
+from serving.tools.deltas import check_workers, move, wait_served
 from serving.tools.served import RolloutError
 from serving.torchserve import process
 from serving.torchserve.client import inference_key, score
 from serving.worker.codec import decode_response, encode_request
-from serving.worker.deltas import APPLY_DELAY_ENV, Deltas
+from serving.worker.deltas import APPLY_DELAY_ENV, DELTA_DIR_ENV, Deltas
 from tests.conftest import run_export, run_train
 from tests.stack import STARTUP_TIMEOUT_S, torchserve_config
 from training.checkpoint import store as checkpoint
@@ -54,11 +59,44 @@ def later(
                "train.max_steps=50", *data_dirs], nproc=0)  # fmt: skip
     ckpt = checkpoint.read_latest(run / "checkpoints")
     assert ckpt is not None and ckpt.name.endswith("50"), ckpt
-    run_export(["--run-dir", str(run), "--model-store", str(base / "store"), "--version", "2"])
+    schema = json.loads((exported[0] / "schema.json").read_text())
+    rows, dim = [t["rows"] for t in schema["tables"]], schema["tables"][0]["dim"]
+    int4, int8 = (layout(rows, dim, [f] * len(rows))[2] for f in ("int4", "int8"))
+    run_export(["--run-dir", str(run), "--model-store", str(base / "store"), "--version", "2",
+                "--formats", '["int8", "int4", "fp16"]', "--memory-budget",
+                str((int4 + int8) // 2)])  # fmt: skip
     cfg = config_from_dict(checkpoint.read_meta(ckpt)["config"])
     folder = base / "deltas" / "dlrm-tiny" / "1.0"
     record, _, _ = make_delta(ckpt, cfg.model, exported[0], folder, "50")
-    return {"folder": folder, "record": record, "full": run / "export", "base": exported[0]}
+    return {"folder": folder, "record": record, "full": run / "export", "base": exported[0],
+            "run": run, "cfg": cfg}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def chain(
+    later: dict[str, Any], data_dirs: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """10 steps more (60), its full export (int8, int4), and deltas of it: the second of an
+    int8 chain over the session's export (after ``later``'s), one over ``later``'s int4
+    tables and one over its mixed tables."""
+    base = tmp_path_factory.mktemp("chain")
+    run = base / "run"
+    shutil.copytree(later["run"], run, ignore=shutil.ignore_patterns("export", ".export*"))
+    run_train(["--config", "training/configs/tiny.toml", "--no-progress", "--run-dir", str(run),
+               "train.max_steps=60", *data_dirs], nproc=0)  # fmt: skip
+    ckpt = checkpoint.read_latest(run / "checkpoints")
+    assert ckpt is not None and ckpt.name.endswith("60"), ckpt
+    run_export(["--run-dir", str(run), "--model-store", str(base / "store"), "--version", "3",
+                "--formats", '["int8", "int4"]'])  # fmt: skip
+    folder = base / "deltas" / "dlrm-tiny" / "1.0"
+    shutil.copytree(later["folder"], folder)
+    write_pointer(folder, [later["record"]])
+    second, _, _ = make_delta(ckpt, later["cfg"].model, later["base"], folder, "60")
+    out = {"folder": folder, "records": [later["record"], second], "full": run / "export"}
+    for fmt in ("int4", "mixed"):  # over version 2 (later's export), which serves the mix
+        over = base / fmt / "deltas" / "dlrm-tiny" / "2"
+        out[fmt] = over, make_delta(ckpt, later["cfg"].model, later["full"], over, "60", fmt)[0]
+    return out
 
 
 def _batch(model: Any, seed: int = 0, batch: int = 256) -> tuple[torch.Tensor, ...]:
@@ -69,10 +107,27 @@ def _batch(model: Any, seed: int = 0, batch: int = 256) -> tuple[torch.Tensor, .
             torch.ones(features, batch, dtype=torch.int32))  # fmt: skip
 
 
-def _worker(base_dir: Path, folder: Path) -> Deltas:
-    base = load_mapped(base_dir / "mapped_int8.pt", torch.device("cpu"))
-    sha = torch.load(base_dir / "mapped_int8.pt", weights_only=True)["tables"]["sha256"]
-    return Deltas(folder, base, "1.0", sha)
+def _worker(base_dir: Path, folder: Path, fmt: str = "int8") -> Deltas:
+    """A worker's chain over ``base_dir``'s ``fmt`` tables, as the handler builds it."""
+    base = load_mapped(base_dir / f"mapped_{fmt}.pt", torch.device("cpu"))
+    sha = torch.load(base_dir / f"mapped_{fmt}.pt", weights_only=True)["tables"]["sha256"]
+    version = json.loads((base_dir / "schema.json").read_text())["model"]["version"]
+    return Deltas(folder, base, str(version), sha, fmt)
+
+
+def _on_rows(model: Any, rows: torch.Tensor, batch: int = 256) -> tuple[torch.Tensor, ...]:
+    """A batch whose every id hits one of ``rows`` (global row ids) where its feature's table
+    holds one (ids are ``id mod rows``: a table's row is its own raw id), random elsewhere."""
+    g = torch.Generator().manual_seed(7)
+    sizes = [int(r) for r in model.spec["rows"]]
+    starts = [sum(sizes[:f]) for f in range(len(sizes))]
+    values = []
+    for first, n in zip(starts, sizes, strict=True):
+        mine = rows[(rows >= first) & (rows < first + n)] - first
+        pick = torch.randint(0, max(mine.numel(), 1), (batch,), generator=g)
+        values.append(mine[pick] if mine.numel() else torch.randint(0, n, (batch,), generator=g))
+    dense = torch.randn(batch, int(model.spec["num_dense"]), generator=g)
+    return dense, torch.cat(values), torch.ones(len(sizes), batch, dtype=torch.int32)
 
 
 def _score(model: Any, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -202,6 +257,209 @@ def test_rollback_is_a_swap_and_batches_never_mix(later: dict[str, Any], tmp_pat
     print(counts)
 
 
+def test_a_two_delta_chain_scores_as_the_full_export_on_the_rows_it_changed(
+    later: dict[str, Any], chain: dict[str, Any], tmp_path: Path
+) -> None:
+    """Base + delta 50 + delta 60 against the full export of 60, on ids both deltas replaced
+    (the later must win: an overlay merge that kept the older row fails here), then on ids
+    either replaced."""
+    folder = tmp_path / "1.0"
+    shutil.copytree(chain["folder"], folder)
+    worker = _worker(later["base"], folder)
+    write_pointer(folder, chain["records"])
+    assert worker.poll() and worker.label == "60" and not worker.error, worker.error
+    first, second = (torch.load(folder / r["file"], weights_only=True)["ids"]
+                     for r in chain["records"])  # fmt: skip
+    both = first[torch.isin(first, second)]
+    assert both.numel() > 0  # rows both passes changed: the merge order decides them
+    full = load_mapped(chain["full"] / "mapped_int8.pt", torch.device("cpu"))
+    for rows in (both, torch.cat([first, second]).unique()):
+        batch = _on_rows(full, rows)
+        diff = (_score(worker.current, batch) - _score(full, batch)).abs().max().item()
+        moved = (_score(worker.base, batch) - _score(full, batch)).abs().max().item()
+        print(f"{rows.numel()} rows: max |chain - full export| = {diff:.3g} (base: {moved:.3g})")
+        assert diff <= 1e-5 < moved
+
+
+def test_a_delta_out_of_its_chain_order_is_refused(
+    later: dict[str, Any], chain: dict[str, Any], tmp_path: Path
+) -> None:
+    """The worker's parent check: delta 60 (made over 50) alone, or before 50, is refused and
+    the base keeps serving; in order both apply."""
+    folder = tmp_path / "1.0"
+    shutil.copytree(chain["folder"], folder)
+    worker = _worker(later["base"], folder)
+    first, second = chain["records"]
+    for wrong in ([second], [second, first]):
+        write_pointer(folder, wrong)
+        assert not worker.poll() and worker.label == "" and worker.current is worker.base
+        assert "follows '50', not ''" in worker.error, worker.error
+    write_pointer(folder, [first, second])
+    assert worker.poll() and worker.label == "60" and not worker.error
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mixed"])
+def test_int4_and_mixed_tables_take_deltas_of_their_own_format(
+    later: dict[str, Any], chain: dict[str, Any], fmt: str, tmp_path: Path
+) -> None:
+    """A worker serving int4 (or the budget's int8/int4 mix, section by section) applies the
+    delta made for its tables and then pools every table as the full export of the same
+    checkpoint in that table's format does; an int8 delta is refused naming the format."""
+    over, record = chain[fmt]
+    folder = tmp_path / "2"
+    shutil.copytree(over, folder)
+    worker = _worker(later["full"], folder, fmt)
+    assert record["format"] == fmt and record["rows"] > 0
+    write_pointer(folder, [record])
+    assert worker.poll() and worker.label == "60" and not worker.error, worker.error
+    tables = json.loads((later["full"] / "schema.json").read_text())["variants"][fmt]["tables"]
+    formats = tables.get("formats") or [fmt] * len(worker.base.spec["rows"])  # one a table
+    assert fmt != "mixed" or {"int8", "int4"} <= set(formats), formats
+    full = {f: load_mapped(chain["full"] / f"mapped_{f}.pt", torch.device("cpu"))
+            for f in set(formats)}  # fmt: skip
+    _, values, lengths = _batch(worker.base, seed=3)
+    with torch.inference_mode():
+        got = worker.current.pooled(values, lengths)
+        base = worker.base.pooled(values, lengths)
+        want = torch.stack([full[f].pooled(values, lengths)[:, t] for t, f in enumerate(formats)],
+                           dim=1)  # fmt: skip
+    diff, moved = (got - want).abs().max().item(), (base - want).abs().max().item()
+    print(f"{fmt}: {record['rows']} rows, max |pooled - full export's| = {diff:.3g} "
+          f"(base: {moved:.3g})")  # fmt: skip
+    assert diff <= 1e-5 < moved
+    wrong = tmp_path / "int8"
+    shutil.copytree(later["folder"], wrong)
+    other = Deltas(wrong, worker.base, "1.0", "x", fmt)
+    write_pointer(wrong, [later["record"]])
+    assert not other.poll() and other.current is other.base
+    assert f"a delta of int8 rows; this worker serves {fmt} tables" in other.error, other.error
+
+
+def test_only_acks_of_the_pointer_count(later: dict[str, Any], tmp_path: Path) -> None:
+    """An ack written before the pointer moved says nothing of it: a repeated label (another
+    file) is not 'served' until the worker answers the new pointer, and an error the worker
+    reported for an earlier pointer does not refuse this one; a refusal of this one is
+    reported with the worker's own error, at once."""
+    folder, record = tmp_path / "1.0", later["record"]
+    shutil.copytree(later["folder"], folder)
+    worker, pids = _worker(later["base"], folder), [os.getpid()]
+    write_pointer(folder, [record])
+    assert worker.poll() and worker.label == "50"  # acked: "50", the first file
+    again = {**record, "file": "0002-50.pt"}  # the same label, another file
+    shutil.copy(folder / record["file"], folder / again["file"])
+    with pytest.raises(RolloutError, match="do not acknowledge '50'"):
+        move(folder, lambda _: [again], pids, 0.5)  # nobody answers: put back
+    assert read_pointer(folder)["chain"] == [record]
+    broken = {**record, "file": "0003-51.pt", "version": "51", "sha256": "0" * 64}
+    shutil.copy(folder / record["file"], folder / broken["file"])
+    write_pointer(folder, [record, broken])
+    assert not worker.poll() and "checksum" in worker.error  # acked with that error
+    t0 = time.monotonic()
+    with pytest.raises(RolloutError, match="do not acknowledge '50'"):
+        move(folder, lambda _: [again], pids, 0.5)  # its old error is no refusal of this one
+    assert time.monotonic() - t0 >= 0.5
+    watcher = worker.watch()
+    try:
+        moved = move(folder, lambda _: [again], pids, 10)
+        ack = json.loads((folder / "acks" / f"{os.getpid()}.json").read_text())
+        assert moved["served_s"] > 0 and ack["file"] == again["file"] and not ack["error"]
+        assert ack["pointer_time"] == read_pointer(folder)["time"] == moved["pointer_time"]
+        t0 = time.monotonic()
+        with pytest.raises(RolloutError, match=r"refused 51: .*checksum.*; back to 50"):
+            move(folder, lambda chain: [*chain, broken], pids, 10)
+        assert time.monotonic() - t0 < 5  # refused when it answered, not at the timeout
+    finally:
+        worker.stop()
+        watcher.join()
+    assert worker.label == "50" and read_pointer(folder)["chain"] == [again]
+
+
+def _handler(model_dir: Path) -> Any:
+    """The handler as TorchServe starts it on the unpacked .mar ``model_dir``."""
+    from serving.worker.handler import RecsysHandler
+
+    manifest = json.loads((model_dir / "MAR-INF" / "MANIFEST.json").read_text())
+    context = SimpleNamespace(system_properties={"model_dir": str(model_dir), "gpu_id": None},
+                              manifest=manifest)  # fmt: skip
+    handler = RecsysHandler()
+    handler.initialize(context)
+    return handler
+
+
+def test_a_worker_without_a_delta_path_says_so_and_the_publish_refuses_at_once(
+    exported: tuple[Path, Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker serving fp16 tables acknowledges at its start that it takes no delta (before,
+    it wrote nothing and a publish waited out its timeout twice); one serving int8 says its
+    format, and a delta of another format is refused before the pointer moves."""
+    model_dir = tmp_path / "mar"
+    zipfile.ZipFile(exported[1] / "dlrm-tiny-1.0.mar").extractall(model_dir)
+    monkeypatch.setenv("RECSYS_WARM_UP", "0")
+    monkeypatch.setenv(DELTA_DIR_ENV, str(tmp_path / "deltas"))
+    monkeypatch.setenv("RECSYS_VARIANT", "fp16")
+    folder, pids = tmp_path / "deltas" / "dlrm-tiny" / "1.0", [os.getpid()]
+    assert _handler(model_dir).deltas is None
+    ack = json.loads((folder / "acks" / f"{os.getpid()}.json").read_text())
+    assert ack["deltas"] is False and "serves fp16" in ack["error"], ack
+    with pytest.raises(RolloutError, match="takes no delta: this worker serves fp16"):
+        check_workers(folder, pids, "int8")
+    t0 = time.monotonic()
+    with pytest.raises(RolloutError, match="refused"):
+        wait_served(folder, {"chain": [], "time": time.time()}, pids, 30)
+    assert time.monotonic() - t0 < 5
+    monkeypatch.delenv("RECSYS_VARIANT")
+    handler = _handler(model_dir)  # int8, the archive's CPU choice
+    try:
+        ack = json.loads((folder / "acks" / f"{os.getpid()}.json").read_text())
+        assert ack["deltas"] and ack["format"] == "int8" and ack["pointer_time"] == 0, ack
+        check_workers(folder, pids, "int8")
+        with pytest.raises(RolloutError, match="serves int8 tables, the delta is of int4 rows"):
+            check_workers(folder, pids, "int4")
+    finally:
+        handler.deltas.stop()
+
+
+def test_the_gate_is_judged_by_the_rollouts_rules(tmp_path: Path) -> None:
+    """The delta's scores are judged as a rollout judges its candidate: the margin from the
+    rollout's arguments (not a constant of the delta path), the near-chance refusal."""
+    from serving.tools.deltas import judge
+
+    rng = np.random.default_rng(0)
+    y = (rng.random(4000) < 0.3).astype(np.float64)
+    good = np.clip(0.3 + 0.4 * (y - 0.3) + rng.normal(0, 0.15, y.size), 0.01, 0.99)
+    worse = np.where(rng.random(y.size) < 0.02, 1 - good, good)  # a little lower AUC
+    path = tmp_path / "judge.npz"
+    np.savez(path, labels=y, default=good, candidate=worse)
+    drop = judge(path, [])["auc_default"] - judge(path, [])["auc_candidate"]
+    assert 0.002 < drop < 0.05, drop
+    assert not judge(path, [])["passed"]  # the rollout's default margin, 0.002
+    assert judge(path, ["--margin", "0.05", "--steps", "100"])["passed"]
+    np.savez(path, labels=y, default=rng.random(y.size), candidate=rng.random(y.size))
+    near = judge(path, ["--margin", "0.5"])
+    assert not near["passed"] and "neither fits these rows" in near["verdict"], near
+
+
+def test_the_pointer_is_changed_under_its_lock(tmp_path: Path) -> None:
+    """Publishes and rollbacks racing each other lose none: each change reads and writes the
+    pointer under one lock, and each write is later than the one it replaces."""
+    folder = tmp_path / "1.0"
+    folder.mkdir()
+    times: list[float] = []
+
+    def publish(n: int) -> None:
+        for i in range(40):
+            entry = {"file": f"{n}-{i}", "sha256": "", "version": f"{n}-{i}"}
+            times.append(update_pointer(folder, lambda chain, e=entry: [*chain, e])[1]["time"])
+
+    threads = [threading.Thread(target=publish, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(read_pointer(folder)["chain"]) == 120
+    assert len(set(times)) == 120 and read_pointer(folder)["time"] == max(times)
+
+
 @pytest.mark.slow
 def test_a_worker_killed_mid_apply_serves_n_or_n1_and_recovers(
     later: dict[str, Any], exported: tuple[Path, Path, str], tmp_path: Path,
@@ -246,7 +504,7 @@ def test_a_worker_killed_mid_apply_serves_n_or_n1_and_recovers(
                 ready = [int(w["pid"]) for w in now if w.get("status") == "READY"]
                 if len(ready) == 2 and pids[0] not in ready:
                     with contextlib.suppress(RolloutError):
-                        wait_served(folder, "50", ready, 1.0)
+                        wait_served(folder, read_pointer(folder), ready, 1.0)
                         break
             else:
                 raise AssertionError(f"workers did not all serve the delta: {now}")

@@ -69,15 +69,20 @@ class ContinuousSection:
     rollout_args: list[str] = field(default_factory=list)
     """Extra arguments of `python -m serving.tools.rollout` (e.g. ["--dwell-s", "3"])."""
     deltas: bool = False
-    """Publish as embedding deltas over the served default (issue 36: the rows whose int8
-    bytes changed + the dense weights, applied by every worker in place, no export, no
-    registration; training/continuous/deltas.py) whenever RUN/export is that default's
-    export; otherwise, and every ``compact_every`` deltas, a full export + rollout."""
+    """Publish as embedding deltas over the served default (issue 36: the rows whose bytes
+    changed in the tables the workers serve, int8, int4 or mixed, + the dense weights, applied
+    by every worker in place, no export, no registration; training/continuous/deltas.py)
+    whenever RUN/export is that default's export; otherwise, every ``compact_every`` deltas,
+    for a variant with no delta path, and when a delta is refused by the workers or not
+    acknowledged, a full export + rollout."""
     compact_every: int = 4
     """Deltas in a chain before the next publish is a full export + rollout (compaction)."""
     delta_dwell_s: float = 0.0
     """After every worker serves a delta: seconds the gateway's error gate watches the served
     version (non-OK calls above 1%, or fewer than 20 calls to judge: rolled back); 0 = off."""
+    delta_timeout_s: float = 60.0
+    """Longest wait for every worker to acknowledge a delta (then it is put back and the
+    publish is a full export + rollout)."""
     keep_cache: bool = False
     """Keep each file's preprocessed cache (data.cache_dir) after it is consumed."""
 
@@ -98,6 +103,8 @@ class ContinuousConfig(Config):
         ):
             if getattr(c, name) < 0:
                 raise ConfigError(f"continuous.{name} = {getattr(c, name)}: must be >= 0")
+        if c.delta_timeout_s <= 0:
+            raise ConfigError(f"continuous.delta_timeout_s = {c.delta_timeout_s}: must be > 0")
         if c.poll_s <= 0:
             raise ConfigError(f"continuous.poll_s = {c.poll_s}: must be > 0")
         if not c.data_dir:

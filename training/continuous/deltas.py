@@ -3,19 +3,30 @@
 When a stack serves this model and ``RUN/export`` is the export of its default version (the
 loop's last full publish), a due publish is a delta instead of an export + rollout:
 
-1. ``training.export.delta``, in the loop's process: the checkpoint's rows whose int8 bytes differ from
-   what the workers serve (the default's mapped tables + its chain), the dense weights, into
-   ``<store>/deltas/<model>/<default>/``, gated in process on the arriving file's first
-   ``rollout_eval_rows`` rows (rows the candidate never trained on) against what serves now:
-   a lower AUC by more than the rollout's margin refuses it (the file removed);
-2. ``python -m serving.tools.deltas publish``: the pointer moved, every worker of every
-   replica acknowledging; ``continuous.delta_dwell_s`` > 0: the gateway's error gate, a
-   failure rolled back.
+1. ``training.export.delta``, in the loop's process, for the tables the workers serve
+   (schema.json's CPU variant: int8, int4, or mixed, section by section): the checkpoint's
+   rows whose bytes differ from what the workers serve (the default's mapped tables + its
+   chain), the dense weights, into ``<store>/deltas/<model>/<default>/``; what serves now and
+   the candidate scored on the arriving file's first ``rollout_eval_rows`` rows (rows the
+   candidate never trained on);
+2. ``python -m serving.tools.deltas publish``: those scores judged by the rollout's rules
+   (``continuous.rollout_args``' margin, the near-chance refusal), every worker's format
+   checked, the pointer moved, every worker of every replica acknowledging within
+   ``continuous.delta_timeout_s``; ``continuous.delta_dwell_s`` > 0: the gateway's error
+   gate, a failure rolled back.
+
+**Falling back.** A variant with no delta path (fp16/fp32 tables, TorchScript), a delta that
+cannot be made, one a worker refuses (its own error is recorded: another format, CUDA, a
+checksum) or does not acknowledge in time, or one the error gate rolls back: the delta record
+says why (``fallback``) and the same publish goes on as a full export + rollout. A delta the
+evaluated gate refuses does not: the rollout would judge the full export by the same rule on
+the same rows. A refused delta's files are removed and it is no publish (:func:`counted`): the
+next file tries again.
 
 Every ``continuous.compact_every`` deltas (the chain that long) the publish is a full export
 + rollout again (compaction): a new version, a new mapped file, an empty chain. The record in
-``continuous.jsonl``: rows, bytes, the gate's AUCs, ``served_s`` (pointer -> every worker) and
-``freshness_s`` (end of the pass -> every worker serving it).
+``continuous.jsonl``: format, rows, bytes, the gate's figures, ``served_s`` (pointer -> every
+worker) and ``freshness_s`` (end of the pass -> every worker serving it).
 """
 
 from __future__ import annotations
@@ -31,9 +42,9 @@ from recsys_model.delta import DeltaError, read_pointer
 from training.checkpoint import store as checkpoint
 from training.continuous.config import ContinuousConfig
 from training.errors import RecsysError
-from training.export.delta import gate, make_delta, unseen_arrays
+from training.export.delta import gate, make_delta, served_format, unseen_arrays
 
-MARGIN = 0.002  # AUC the candidate may lose against what serves (the rollout's default margin)
+FULL = "full export + rollout"  # what follows a delta record with ``fallback``
 
 
 def delta_target(cfg: ContinuousConfig, run_dir: Path, store: Path, name: str) -> Path | None:
@@ -53,38 +64,80 @@ def delta_target(cfg: ContinuousConfig, run_dir: Path, store: Path, name: str) -
     return folder
 
 
+def counted(records: list[dict[str, Any]]) -> bool:
+    """Whether a publish's records count as one (the ledger's export clock restarts): any
+    export, or a delta every worker serves; a refused delta alone is none."""
+    return any(r.get("event") != "delta" or r.get("promoted") for r in records)
+
+
+def try_delta(
+    cfg: ContinuousConfig, run_dir: Path, store: Path, base: dict[str, Any], unseen: Path,
+    pass_end: float,
+) -> dict[str, Any] | None:  # fmt: skip
+    """The delta record of this publish; None when none is due (not the default's export,
+    compaction): a full publish. A record with ``fallback``: a full publish follows."""
+    folder = delta_target(cfg, run_dir, store, base["model"])
+    if folder is None:
+        return None
+    try:
+        schema = json.loads((run_dir / "export" / "schema.json").read_text())
+    except (OSError, ValueError) as e:
+        schema = {"error": str(e)}
+    fmt, why = served_format(schema)
+    if fmt is None:
+        return {**base, "event": "delta", "base": folder.name, "promoted": False,
+                "reason": why, "fallback": FULL}  # fmt: skip
+    return publish_delta(cfg, run_dir, folder, base, unseen, pass_end, fmt)
+
+
 def publish_delta(
     cfg: ContinuousConfig, run_dir: Path, folder: Path, base: dict[str, Any], unseen: Path,
-    pass_end: float,
+    pass_end: float, fmt: str = "int8",
 ) -> dict[str, Any]:  # fmt: skip
-    """Make, gate and publish the delta of ``run_dir``'s latest checkpoint over ``folder``;
-    the record (module doc)."""
+    """Make, gate and publish the delta of ``run_dir``'s latest checkpoint over ``folder``
+    for ``fmt`` tables; the record (module doc)."""
     c = cfg.continuous
-    record: dict[str, Any] = {**base, "event": "delta", "base": folder.name, "promoted": False}
+    record: dict[str, Any] = {**base, "event": "delta", "base": folder.name, "format": fmt,
+                              "promoted": False}  # fmt: skip
     t0 = time.perf_counter()
+    made: list[Path] = []
     try:  # in this process (torch imported): the import is no part of the freshness
         ckpt = checkpoint.read_latest(run_dir / "checkpoints")
         if ckpt is None:
             raise DeltaError(f"{run_dir}: no checkpoint")
         delta, now, candidate = make_delta(ckpt, cfg.model, run_dir / "export", folder,
-                                           base["version"])  # fmt: skip
+                                           base["version"], fmt)  # fmt: skip
+        made = [folder / delta["file"], folder / f"{Path(delta['file']).stem}.judge.npz"]
         arrays = unseen_arrays(unseen, cfg, c.rollout_eval_rows)
-        judged = gate(now, candidate, arrays, MARGIN)
+        judged = gate(now, candidate, arrays, made[1])
     except (DeltaError, OSError, ValueError, RecsysError) as e:
-        return {**record, "reason": f"delta not made: {e}"}
+        _remove(folder, made)
+        return {**record, "reason": f"delta not made: {e}", "fallback": FULL}
     record.update(rows=delta["rows"], bytes=delta["bytes"], gate=judged,
                   make_s=round(time.perf_counter() - t0, 2))  # fmt: skip
-    if not judged["passed"]:
-        (folder / delta["file"]).unlink(missing_ok=True)
-        return {**record, "reason": "evaluated gate: the candidate's AUC is lower"}
     cmd = [sys.executable, "-m", "serving.tools.deltas", "publish", "--workdir",
-           str(c.serve_dir), "--record", json.dumps(delta), "--dwell-s", str(c.delta_dwell_s)]  # fmt: skip
+           str(c.serve_dir), "--record", json.dumps({**delta, "gate": judged}),
+           "--dwell-s", str(c.delta_dwell_s), "--timeout-s", str(c.delta_timeout_s),
+           "--rollout-args", json.dumps(list(c.rollout_args))]  # fmt: skip
     moved = subprocess.run(cmd, capture_output=True, text=True)
     try:
         out = json.loads(moved.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
-        return {**record, "reason": moved.stderr.strip()[-500:] or f"exit {moved.returncode}"}
+        out = {"reason": moved.stderr.strip()[-500:] or f"exit {moved.returncode}"}
     record.update(promoted=bool(out.get("promoted")), served_s=out.get("served_s"),
                   workers=out.get("workers"), reason=out.get("reason"),
                   freshness_s=round(time.time() - pass_end, 2))  # fmt: skip
+    if isinstance(out.get("gate"), dict):
+        record["gate"] = {**judged, **out["gate"]}
+    _remove(folder, made[1:] if record["promoted"] else made)
+    if not record["promoted"] and out.get("refused") != "gate":
+        record["fallback"] = FULL
     return record
+
+
+def _remove(folder: Path, files: list[Path]) -> None:
+    """Delete ``files`` of ``folder`` the pointer does not name (a refused delta's)."""
+    named = {e["file"] for e in read_pointer(folder)["chain"]} if folder.is_dir() else set()
+    for path in files:
+        if path.name not in named:
+            path.unlink(missing_ok=True)

@@ -39,6 +39,7 @@ from training.checkpoint.checkpointer import Checkpointer
 from training.config import config_to_dict
 from training.continuous import carry, inbox
 from training.continuous.config import ContinuousArgs, training_config
+from training.continuous.deltas import counted
 from training.continuous.inbox import FileRecord, Ledger
 from training.continuous.publish import from_rank0, on_rank0, publish, run_id
 from training.data.loader import Arrays, Joined
@@ -314,7 +315,7 @@ class Continuous:
                 return [{"event": "export", "ok": False, "step": step, "error": repr(e)}]
 
         done = [f.file for f in self.ledger.done]
-        for r in on_rank0(work, self.rank):
+        for r in (records := on_rank0(work, self.rank)):
             r["after"] = done[-1] if done else None  # the file it was trained up to
             self.events.write(r)
             if self.rank == 0:
@@ -323,8 +324,8 @@ class Continuous:
                 nums = {"promoted": float(bool(r.get("promoted")))}
                 nums |= {k: r[k] for k in ("auc_default", "auc_candidate") if r.get(k) is not None}
                 self.tb_files.add("rollout", nums, index)
-        self.ledger.files_since_export = 0
-        self.ledger.exported_step = step
+        if counted(records):  # a refused delta is no publish: the next file tries again
+            self.ledger.files_since_export, self.ledger.exported_step = 0, step
 
     def due(self) -> bool:
         every = self.c.export_every
@@ -336,8 +337,7 @@ class Continuous:
         done waits for the next file, the rows it will be judged on."""
         step = self.progress.step
         logged = self.rank == 0 and any(
-            e.get("event") in ("export", "delta") and e.get("step") == step
-            for e in self._records(self.run_dir / EVENTS)
+            counted([e]) and e.get("step") == step for e in self._records(self.run_dir / EVENTS)
         )
         if from_rank0(logged):
             self.ledger.files_since_export, self.ledger.exported_step = 0, step

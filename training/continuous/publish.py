@@ -275,14 +275,16 @@ def publish(
     served_model, store = serving_stack(c.serve_dir) if c.rollout else (None, None)
     store = store or c.model_store
     base = {"step": step, "version": str(step), "model": name, "time": time.time()}
+    records: list[dict[str, Any]] = []
     if c.deltas and served_model == name and store is not None:
-        from training.continuous.deltas import delta_target, publish_delta
+        from training.continuous.deltas import try_delta
 
-        folder = delta_target(cfg, run_dir, store, name)
-        if folder is not None:
-            return [publish_delta(cfg, run_dir, folder, base, unseen, pass_end or time.time())]
+        delta = try_delta(cfg, run_dir, store, base, unseen, pass_end or time.time())
+        records += [delta] if delta else []
+        if delta and not delta.get("fallback"):  # served, or refused by the evaluated gate
+            return records
     record = export(cfg, run_dir, step, store, base, unseen)
-    records: list[dict[str, Any]] = [record]
+    records.append(record)
     if not record["ok"]:
         return records
     version = str(record["version"])

@@ -5,13 +5,17 @@ streams the checkpoint's tables one at a time (as the export does, :mod:`.stream
 exactly as the export packs it, and keeps the rows whose bytes differ from what ``DIR``'s
 workers serve now (the base export's mapped file with ``DIR``'s chain over it). Diffing after
 quantization makes the chain + this delta score as a full export of the same checkpoint (to
-float addition order), whatever the optimizer touched. The delta file (recsys_model/delta.py)
-goes into ``DIR`` (``<store>/deltas/<model>/<base version>/``); its bytes are proportional to the
-rows that changed, plus the dense weights. With ``--unseen-data``, the candidate (the chain +
-this delta) and what serves now are scored on those rows in process, by the scorer the
-workers run, and the delta is refused when the candidate's AUC is lower by more than
-``--margin`` (the rollout's evaluated gate; exit 1). It is not published here: the pointer is
-``serving.tools.deltas``' (or the continuous loop's) to move.
+float addition order), whatever the optimizer touched. The tables are those the workers serve
+(``--format``, by default the export's CPU variant): int8, int4, or mixed, section by section
+(each table in its own format); other variants have no delta path (a full export). The delta
+file (recsys_model/delta.py) goes into ``DIR`` (``<store>/deltas/<model>/<base version>/``);
+its bytes are proportional to the rows that changed, plus the dense weights. With
+``--unseen-data``, the candidate (the chain + this delta) and what serves now are scored on
+those rows in process, by the scorer the workers run, and their probabilities saved beside the
+delta (``NNNN-<label>.judge.npz``, named in the record's ``gate``): ``serving.tools.deltas
+publish`` judges them by the rollout's rules (its ``--margin``, the near-chance refusal) before
+it moves the pointer. It is not published here: the pointer is ``serving.tools.deltas``' (or
+the continuous loop's) to move.
 """
 
 from __future__ import annotations
@@ -30,13 +34,15 @@ import torch
 from recsys_model.delta import (
     DELTA_FORMATS,
     DeltaError,
+    Parts,
+    as_file,
     chain_state,
-    merge,
+    merge_parts,
     overlay,
     read_pointer,
     write_delta,
 )
-from recsys_model.mapped import load_mapped, pack, row_bytes
+from recsys_model.mapped import layout, load_mapped, pack, row_bytes
 from training.checkpoint.rows import pread_into, read_metadata, table_rows
 from training.export.portable import EBC
 from training.export.scorer import CHECKPOINT_PREFIX
@@ -47,6 +53,17 @@ from training.features import SPARSE_NAMES, table_name
 def base_version(export: Path) -> str:
     """The version ``export``'s schema records (the ``.mar`` its tables went into)."""
     return str(json.loads((export / "schema.json").read_text())["model"]["version"])
+
+
+def served_format(schema: dict[str, Any]) -> tuple[str | None, str]:
+    """``(the format of the tables CPU workers serve, "")`` when a delta can be made for
+    them (mapped int8, int4 or mixed: schema.json's ``serving.cpu``), else ``(None, why)``."""
+    variant = str(schema.get("serving", {}).get("cpu") or schema.get("served_variant"))
+    info = schema.get("variants", {}).get(variant, {})
+    if info.get("kind") == "mapped" and variant in DELTA_FORMATS:
+        return variant, ""
+    return None, (f"the workers serve {variant} ({info.get('kind', 'unknown kind')}): no "
+                  f"delta path ({'/'.join(DELTA_FORMATS)} mapped tables only)")  # fmt: skip
 
 
 def differing_rows(new: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -64,40 +81,47 @@ def differing_rows(new: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.flatnonzero(acc))
 
 
-def changed_rows(
-    ckpt: Path, base: Any, fmt: str, ref_ids: torch.Tensor, ref_rows: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global ids and packed rows of ``ckpt``'s tables that differ from ``base``'s mapped
+def changed_rows(ckpt: Path, base: Any, record: dict[str, Any], ref: Parts) -> Parts:
+    """Per section of ``base``'s mapped file (its tables' ``record``: one format, or each
+    table's for ``mixed``): the ids and packed rows of ``ckpt``'s tables that differ from the
     file with ``ref`` over it. Read in blocks of rows into reused buffers (the checkpoint's
     rows by :func:`table_rows`, the base's by ``pread``): the tables are read once, no table
     is ever whole in memory, and no fresh memory is faulted in per table."""
-    width, meta = row_bytes(base.dim, fmt), read_metadata(ckpt)
-    ids, packed, start = [], [], 0
-    old = torch.empty(0, width, dtype=torch.uint8)
-    with open(base.tables_path, "rb") as served:  # a uniform file: the tables back to back
-        for feature, n in zip(SPARSE_NAMES, base.spec["rows"], strict=True):
+    rows_of = [int(r) for r in base.spec["rows"]]
+    formats = record.get("formats") or [record["format"]] * len(rows_of)
+    local, sections, _ = layout(rows_of, base.dim, formats)
+    meta = read_metadata(ckpt)
+    found: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {
+        f: ([], []) for f in sections
+    }
+    old = torch.empty(0, dtype=torch.uint8)
+    with open(base.tables_path, "rb") as served:
+        for t, feature in enumerate(SPARSE_NAMES):
+            fmt, width = formats[t], row_bytes(base.dim, formats[t])
+            ref_ids, ref_rows = ref.get(fmt) or (torch.empty(0, dtype=torch.int64), None)
             key = f"{CHECKPOINT_PREFIX}{EBC}.{table_name(feature)}.weight"
             for first, block in table_rows(ckpt, key, meta=meta):
-                new, at = pack(block, fmt), start + first
-                if old.shape[0] < new.shape[0]:
-                    old = torch.empty(new.shape[0], width, dtype=torch.uint8)
-                ref = pread_into(served, old[: new.shape[0]], at * width)
+                new, at = pack(block, fmt), local[t] + first  # at: the row in its section
+                if old.numel() < new.numel():
+                    old = torch.empty(new.numel(), dtype=torch.uint8)
+                now = pread_into(served, old[: new.numel()].view(-1, width),
+                                 sections[fmt][0] + at * width)  # fmt: skip
                 lo, hi = torch.searchsorted(ref_ids, torch.tensor([at, at + len(new)])).tolist()
                 if hi > lo:  # rows the chain already replaced: compare with those
-                    ref[ref_ids[lo:hi] - at] = ref_rows[lo:hi]
-                local = differing_rows(new, ref)
-                ids.append(local + at)
-                packed.append(new[local])
-            start += int(n)
-    return torch.cat(ids), torch.cat(packed)
+                    assert ref_rows is not None
+                    now[ref_ids[lo:hi] - at] = ref_rows[lo:hi]
+                changed = differing_rows(new, now)
+                found[fmt][0].append(changed + at)
+                found[fmt][1].append(new[changed])
+    return {f: (torch.cat(i), torch.cat(r)) for f, (i, r) in found.items()}
 
 
 def make_delta(
     ckpt: Path, model_cfg: Any, export: Path, folder: Path, version: str, fmt: str = "int8"
 ) -> tuple[dict[str, Any], Any, Any]:
-    """Write ``ckpt``'s delta over ``folder``'s chain on ``export``'s ``fmt`` tables; returns
-    (its record: file, sha256, bytes, rows, row_bytes, dense_bytes, seconds; the scorer serving now; the
-    candidate's)."""
+    """Write ``ckpt``'s delta over ``folder``'s chain on ``export``'s ``fmt`` tables (int8,
+    int4 or mixed: the variant the workers serve); returns (its record: file, sha256, format,
+    bytes, rows, row_bytes, dense_bytes, seconds; the scorer serving now; the candidate's)."""
     if fmt not in DELTA_FORMATS:
         raise DeltaError(f"deltas are made of {'/'.join(DELTA_FORMATS)} tables, not {fmt}")
     t0 = time.perf_counter()
@@ -106,37 +130,42 @@ def make_delta(
         raise DeltaError(f"{folder} is not the deltas folder of {export} (version {base_v})")
     folder.mkdir(parents=True, exist_ok=True)
     mapped = export / mapped_name(fmt)
+    if not mapped.is_file():
+        raise DeltaError(f"{export} has no {mapped.name}: the served {fmt} tables are not there")
     base = load_mapped(mapped, torch.device("cpu"), verify=False)
     record = torch.load(mapped, map_location="cpu", weights_only=True)["tables"]
-    ref_ids, ref_rows, ref_weights, parent = chain_state(folder)
-    if ref_rows.numel() == 0:
-        ref_rows = torch.empty(0, row_bytes(base.dim, fmt), dtype=torch.uint8)
-    now = base if ref_weights is None else overlay(base, ref_ids, ref_rows, ref_weights, parent)
-    ids, rows = changed_rows(ckpt, base, fmt, ref_ids, ref_rows)
+    ref, ref_weights, parent = chain_state(folder)
+    now = base if ref_weights is None else overlay(base, ref, ref_weights, parent)
+    parts = changed_rows(ckpt, base, record, ref)
     scorer = dense_scorer(ckpt, model_cfg)
     weights = {k: v for k, v in scorer.state_dict().items() if k != "weight"}
     delta = {"base": base_v, "base_sha256": record["sha256"], "parent": parent,
-             "version": version, "format": fmt, "dim": base.dim, "ids": ids, "rows": rows,
+             "version": version, "format": fmt, "dim": base.dim, **as_file(parts, fmt),
              "weights": weights, "checkpoint": str(ckpt)}  # fmt: skip
     seq = len(read_pointer(folder)["chain"]) + 1
     out = write_delta(folder / f"{seq:04d}-{version}.pt", delta)
-    merged = merge(ref_ids, ref_rows, ids, rows)
-    candidate = overlay(base, *merged, weights, version)
+    candidate = overlay(base, merge_parts(ref, parts), weights, version)
     dense = sum(v.numel() * v.element_size() for v in weights.values())
-    out.update(row_bytes=row_bytes(base.dim, fmt), dense_bytes=dense, parent=parent, chain=seq,
-               seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
+    widths = {f: row_bytes(base.dim, f) for f in parts}
+    out.update(row_bytes=widths.get(fmt, widths), dense_bytes=dense,
+               parent=parent, chain=seq, seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
     return out, now, candidate
 
 
-def gate(now: Any, candidate: Any, arrays: Any, margin: float) -> dict[str, Any]:
-    """Both scorers' AUC on ``arrays`` (rows the candidate never trained on); ``passed``."""
+def gate(now: Any, candidate: Any, arrays: Any, out: Path) -> dict[str, Any]:
+    """Both scorers' probabilities on ``arrays`` (rows the candidate never trained on) into
+    ``out`` (``.npz``: ``labels``, ``default``, ``candidate``), what ``serving.tools.deltas
+    publish`` judges by the rollout's rules (its margin, the near-chance refusal); the gate's
+    record: the file, rows, both AUCs."""
     from recsys_stack.metrics import roc_auc
     from training.export.parity import predict
 
-    y = arrays.labels
-    auc_now, auc_cand = (roc_auc(y, predict(m, arrays)) for m in (now, candidate))
-    return {"auc_default": auc_now, "auc_candidate": auc_cand, "eval_rows": len(arrays),
-            "passed": auc_cand >= auc_now - margin}  # fmt: skip
+    y = np.asarray(arrays.labels)
+    p_now, p_cand = (np.asarray(predict(m, arrays)) for m in (now, candidate))
+    with open(out, "wb") as f:  # a file object: np.savez names it exactly so
+        np.savez(f, labels=y, default=p_now, candidate=p_cand)
+    return {"judge": str(out), "eval_rows": len(arrays), "auc_default": roc_auc(y, p_now),
+            "auc_candidate": roc_auc(y, p_cand)}  # fmt: skip
 
 
 def unseen_arrays(path: Path, train_cfg: Any, rows: int) -> Any:
@@ -161,10 +190,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--base", type=Path, required=True, help="the served version's export folder")
     p.add_argument("--deltas", type=Path, required=True, help="<store>/deltas/<model>/<base v>")
     p.add_argument("--version", required=True, help="the delta's label (e.g. the step)")
-    p.add_argument("--format", default="int8", choices=DELTA_FORMATS)
+    p.add_argument(
+        "--format",
+        choices=DELTA_FORMATS,
+        help="the served tables' (default: the base export's CPU variant)",
+    )
     p.add_argument("--unseen-data", type=Path, help="rows to gate on (never trained on)")
     p.add_argument("--eval-rows", type=int, default=20_000)
-    p.add_argument("--margin", type=float, default=0.002)
     a = p.parse_args(argv)
     ckpt = a.checkpoint or checkpoint.read_latest(a.run_dir / "checkpoints")
     if ckpt is None:
@@ -172,15 +204,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     cfg = config_from_dict(checkpoint.read_meta(ckpt)["config"])
     try:
-        record, now, candidate = make_delta(ckpt, cfg.model, a.base, a.deltas, a.version, a.format)
+        fmt = a.format or served_format(json.loads((a.base / "schema.json").read_text()))[0]
+        if fmt is None:
+            raise DeltaError(served_format(json.loads((a.base / "schema.json").read_text()))[1])
+        record, now, candidate = make_delta(ckpt, cfg.model, a.base, a.deltas, a.version, fmt)
     except (DeltaError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.unseen_data is not None:
+        judge = a.deltas / f"{Path(record['file']).stem}.judge.npz"
         record["gate"] = gate(now, candidate, unseen_arrays(a.unseen_data, cfg, a.eval_rows),
-                              a.margin)  # fmt: skip
+                              judge)  # fmt: skip
     print(json.dumps(record), flush=True)  # a caller may read it before this process ends
-    return 0 if record.get("gate", {}).get("passed", True) else 1
+    return 0
 
 
 if __name__ == "__main__":
