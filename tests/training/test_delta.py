@@ -522,7 +522,7 @@ def test_the_loop_publishes_a_delta_until_the_chain_is_compact_every_long(
     """continuous.deltas: a delta over the served default while RUN/export is its export and
     its chain is shorter than compact_every; else (another export, a long chain) a full one."""
     from training.continuous.config import load
-    from training.continuous.deltas import delta_target
+    from training.continuous.deltas import counted, delta_target, try_delta
 
     serve, run, store = tmp_path / "serve", tmp_path / "run", tmp_path / "store"
     serve.mkdir()
@@ -541,3 +541,13 @@ def test_the_loop_publishes_a_delta_until_the_chain_is_compact_every_long(
     schema["model"]["version"] = "39"  # RUN/export is not the default's
     (run / "export" / "schema.json").write_text(json.dumps(schema))
     assert delta_target(cfg, run, store, "dlrm-tiny") is None
+    base = {"model": "dlrm-tiny", "version": "41", "step": 41}
+    assert try_delta(cfg, run, store, base, tmp_path / "next.tsv", 0.0) is None  # a full one
+    # served fp16 tables (or TorchScript): no delta path, the record says why, a full export
+    schema = {"model": {"name": "dlrm-tiny", "version": "40"}, "serving": {"cpu": "fp16"},
+              "variants": {"fp16": {"kind": "mapped", "file": "mapped_fp16.pt"}}}  # fmt: skip
+    (run / "export" / "schema.json").write_text(json.dumps(schema))
+    record = try_delta(cfg, run, store, base, tmp_path / "next.tsv", 0.0)
+    assert record is not None and record["fallback"] and not record["promoted"], record
+    assert "serve fp16 (mapped): no delta path" in record["reason"], record
+    assert not counted([record]) and counted([record, {"event": "export", "ok": True}])
