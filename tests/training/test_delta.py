@@ -551,3 +551,4 @@ def test_the_loop_publishes_a_delta_until_the_chain_is_compact_every_long(
     assert record is not None and record["fallback"] and not record["promoted"], record
     assert "serve fp16 (mapped): no delta path" in record["reason"], record
     assert not counted([record]) and counted([record, {"event": "export", "ok": True}])
+    assert not counted([{"event": "file", "step": 40}]) and counted([{**record, "promoted": True}])

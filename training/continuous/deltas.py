@@ -65,9 +65,11 @@ def delta_target(cfg: ContinuousConfig, run_dir: Path, store: Path, name: str) -
 
 
 def counted(records: list[dict[str, Any]]) -> bool:
-    """Whether a publish's records count as one (the ledger's export clock restarts): any
-    export, or a delta every worker serves; a refused delta alone is none."""
-    return any(r.get("event") != "delta" or r.get("promoted") for r in records)
+    """Whether records of ``continuous.jsonl`` hold a publish (the ledger's export clock
+    restarts): an export (made or failed), or a delta every worker serves; a refused delta
+    alone is none."""
+    return any(r.get("event") == "export" or (r.get("event") == "delta" and r.get("promoted"))
+               for r in records)  # fmt: skip
 
 
 def try_delta(
