@@ -147,7 +147,8 @@ class Deltas:
         file, sha = self.chain[-1] if self.chain else ("", "")
         write_ack(self.folder, {"version": self.label, "error": self.error, "file": file,
                                 "sha256": sha, "pointer_time": self.pointer_time,
-                                "format": self.fmt, "deltas": True})  # fmt: skip
+                                "format": self.fmt, "deltas": True},
+                  start=self.seen is None)  # fmt: skip
         self.acked = True
 
     def watch(self) -> threading.Thread:
@@ -168,21 +169,22 @@ class Deltas:
         self._stop.set()
 
 
-def write_ack(folder: Path, ack: dict[str, Any]) -> None:
+def write_ack(folder: Path, ack: dict[str, Any], start: bool = False) -> None:
     """``folder/acks/<pid>.json`` = ``ack`` with this process's pid and the time (written
     aside, renamed in); a folder that cannot be written is logged (the describe answer still
-    says what serves)."""
+    says what serves): at the ``start``, before any pointer, only at debug level (a read-only
+    model store that never takes a delta is no fault)."""
     acks = folder / "acks"
     try:
         acks.mkdir(parents=True, exist_ok=True)
         write_atomic(acks / f"{os.getpid()}.json",
                      json.dumps({"pid": os.getpid(), **ack, "time": time.time()}))  # fmt: skip
     except OSError as e:
-        logger.warning("cannot write %s: %s", acks, e)
+        logger.log(logging.DEBUG if start else logging.WARNING, "cannot write %s: %s", acks, e)
 
 
 def no_deltas(folder: Path, why: str) -> None:
     """Say in ``folder``'s acks that this worker cannot apply deltas (``why``: what it serves),
     so a publish is refused at once and the publisher exports in full instead."""
     write_ack(folder, {"version": "", "error": why, "file": "", "sha256": "",
-                       "pointer_time": None, "format": None, "deltas": False})  # fmt: skip
+                       "pointer_time": None, "format": None, "deltas": False}, start=True)  # fmt: skip

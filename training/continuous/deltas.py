@@ -131,6 +131,7 @@ def publish_delta(
                   freshness_s=round(time.time() - pass_end, 2))  # fmt: skip
     if isinstance(out.get("gate"), dict):
         record["gate"] = {**judged, **out["gate"]}
+    record["gate"].pop("judge", None)  # its file is removed below
     _remove(folder, made[1:] if record["promoted"] else made)
     if not record["promoted"] and out.get("refused") != "gate":
         record["fallback"] = FULL
