@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from recsys_stack.auc_stats import auc_interval
 from recsys_stack.config import ConfigError, env_field, parse, to_dict
 from recsys_stack.criteo_rows import NUM_FIELDS, RowError, field_count
 from recsys_stack.metrics import roc_auc  # the one AUC (training's too)
@@ -117,12 +118,22 @@ def calibration_bins(y: np.ndarray, p: np.ndarray, bins: int) -> list[dict[str, 
     return out
 
 
+def _interval(y: np.ndarray, p: np.ndarray) -> list[float] | None:
+    """The AUC's 95% DeLong interval; None with fewer than 2 rows of a class."""
+    try:
+        iv = auc_interval(y, p)
+    except ValueError:
+        return None
+    return [iv.lo, iv.hi]
+
+
 def metrics(y: np.ndarray, p: np.ndarray, bins: int) -> dict[str, Any]:
     """Every figure of the report for labels ``y[N]`` and probabilities ``p[N]``."""
     predicted, actual = float(np.mean(p)), float(np.mean(y))
     return {
         "rows": len(y),
         "auc": roc_auc(y, p),
+        "auc_ci": _interval(y, p),
         "normalized_entropy": normalized_entropy(y, p),
         "log_loss": log_loss(y, p),
         "predicted_ctr": predicted,
@@ -221,14 +232,18 @@ def evaluate(cfg: EvaluateConfig, out: Path) -> dict[str, Any]:
     return report
 
 
+def _ci(ci: list[float] | None) -> str:
+    return f" (95% interval {ci[0]:.4f}-{ci[1]:.4f}, DeLong)" if ci else ""
+
+
 def summary(report: dict[str, Any]) -> str:
     """The printed lines of a report."""
     v = report["version"]
     version = "the default version" if v == "default" else f"version {v}"
     return (
         f"{report['rows']} rows of {report['data']} ({version})\n"
-        f"AUC {report['auc']:.6f}  NE {report['normalized_entropy']:.6f}  "
-        f"log loss {report['log_loss']:.6f}\n"
+        f"AUC {report['auc']:.6f}{_ci(report.get('auc_ci'))}  "
+        f"NE {report['normalized_entropy']:.6f}  log loss {report['log_loss']:.6f}\n"
         f"calibration {report['calibration']:.4f} (predicted CTR {report['predicted_ctr']:.6f} "
         f"/ actual CTR {report['actual_ctr']:.6f})"
     )
