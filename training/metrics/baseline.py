@@ -204,7 +204,7 @@ def fit_and_score(
         bits, passes, "" if passes == 1 else "es", f"{len(order):,}", out["baseline_auc"],
         f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "", out["baseline_ne"], f"{len(held_out):,}",
         out["baseline_seconds"],
-        f"; the model is {vs} of it: {out['vs_baseline_auc']:+.4f} AUC [{out['vs_baseline_ci'][0]:+.4f}, "
+        f"; the model against it: {vs}, {out['vs_baseline_auc']:+.4f} AUC [{out['vs_baseline_ci'][0]:+.4f}, "
         f"{out['vs_baseline_ci'][1]:+.4f}] (95%, DeLong paired, p {out['vs_baseline_p']:.3g})"
         if vs else "",
     )  # fmt: skip
