@@ -127,10 +127,17 @@ def _interval(y: np.ndarray, p: np.ndarray) -> list[float] | None:
     return [iv.lo, iv.hi]
 
 
-def metrics(y: np.ndarray, p: np.ndarray, bins: int) -> dict[str, Any]:
+class Figures(dict):  # type: ignore[type-arg]
+    """:func:`metrics`' figures (a dict, serialized as one); ``scored`` keeps the labels and
+    probabilities they came from, for a paired comparison on the same rows (not serialized)."""
+
+    scored: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def metrics(y: np.ndarray, p: np.ndarray, bins: int) -> Figures:
     """Every figure of the report for labels ``y[N]`` and probabilities ``p[N]``."""
     predicted, actual = float(np.mean(p)), float(np.mean(y))
-    return {
+    out = Figures({
         "rows": len(y),
         "auc": roc_auc(y, p),
         "auc_ci": _interval(y, p),
@@ -140,7 +147,9 @@ def metrics(y: np.ndarray, p: np.ndarray, bins: int) -> dict[str, Any]:
         "actual_ctr": actual,
         "calibration": predicted / actual if actual > 0 else float("inf"),
         "bins": calibration_bins(y, p, bins),
-    }
+    })  # fmt: skip
+    out.scored = (y, p)
+    return out
 
 
 # --- rows and scoring ---------------------------------------------------------------------------
