@@ -182,14 +182,18 @@ def score_file(cfg: EvaluateConfig, window: Window) -> tuple[np.ndarray, np.ndar
     client = RankerClient(f"{cfg.host}:{cfg.port}", cfg.timeout_s, channel=cfg)
     labels: list[np.ndarray] = []
     scores: list[np.ndarray] = []
-    bar = progress(total=window.count, desc="evaluate", unit="rows", disable=not cfg.progress)
+    bar = None  # drawn from the first good batch: a refused file says its error alone
     try:
         for y, rows in batches(window, cfg.batch):
+            if bar is None:
+                bar = progress(total=window.count, desc="evaluate", unit="rows",
+                               disable=not cfg.progress)  # fmt: skip
             scores.append(client.score(build_request(rows.dense, rows.sparse, cfg.version)))
             labels.append(y)
             bar.update(len(rows.dense))
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         client.close()
     return np.concatenate(labels), np.concatenate(scores)
 
