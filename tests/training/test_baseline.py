@@ -90,3 +90,11 @@ def test_the_judgement_names_what_the_model_lost() -> None:
     assert "(AUC 0.8000 vs 0.8100, NE 0.8500 vs 0.8400, on the same 2,000 held-out rows)" in warning
     (warning,) = baseline.judge({**record, "baseline_auc": 0.70, "baseline_ne": 0.80})
     assert "(NE 0.8500 vs 0.8000," in warning and "AUC" not in warning.split("(")[1]
+
+
+def test_inverted_labels_are_not_a_training_problem() -> None:
+    """Both models below chance on the same rows (issue 47: a file with flipped labels was
+    told to 'train on more rows or epochs')."""
+    record = {"auc": 0.27, "ne": 1.6, "baseline_auc": 0.31, "baseline_ne": 1.2, "eval_rows": 2_000}
+    (warning,) = baseline.judge(record)
+    assert "labels look inverted" in warning and "train on more" not in warning, warning

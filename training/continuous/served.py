@@ -96,7 +96,8 @@ def _store(loop: Continuous) -> Path:
 def served_checkpoint(loop: Continuous, version: str | None = None) -> Path | None:
     """(rank 0) The checkpoint of the served ``version`` (default: the default of the stack's
     plan when it serves this model; else the pin): the pin when it is that step, else the
-    archive's, else the run's own ``step_<n>`` (pinned then); None when none is found."""
+    archive's, else the run's own ``step_<n>`` (a version of this run, or of no identity; pinned
+    then); None when none is found."""
     name = f"dlrm-{loop.cfg.name}"
     if version is None and loop.c.deltas and pinned(loop.run_dir) is not None:
         return pinned(loop.run_dir)  # the base's deltas on top: the last promoted, pinned
@@ -113,7 +114,7 @@ def served_checkpoint(loop: Continuous, version: str | None = None) -> Path | No
         return here
     found = exported_identity(_store(loop) / f"{name}-{version}.mar") or {}
     candidates = [Path(found["checkpoint"])] if found.get("checkpoint") else []
-    if step is not None:
+    if step is not None and found.get("run_id", run_id(loop.run_dir)) == run_id(loop.run_dir):
         candidates.append(loop.run_dir / "checkpoints" / checkpoint.step_dir_name(step))
     for ckpt in candidates:
         if checkpoint.is_complete(ckpt):
