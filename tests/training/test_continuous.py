@@ -394,6 +394,7 @@ def test_a_second_run_of_the_config_publishes_its_own_model(days: Path, tmp_path
                                   "not_rolled_out": 0, "failed": 1}  # fmt: skip
     # the fix works: the run's model renamed, the next file publishes it
     lines = (days / "day_2.tsv").read_text().splitlines(keepends=True)[:SMALL]
+    np.save(inbox / "day_2.prob.npy", np.load(days / "day_2.prob.npy")[:SMALL])
     (inbox / "day_2.tsv").write_text("".join(lines))
     run_continuous(["--run-dir", str(elsewhere), *args[2:], "--name", "run2"], nproc=1)
     renamed = [e for e in read_metrics(elsewhere / "continuous.jsonl") if e["event"] == "export"]

@@ -190,9 +190,9 @@ class Outcomes:
         loop, name = self.loop, f"dlrm-{self.loop.cfg.name}"
         if outcome == "not_rolled_out":
             return (
-                f"{record.get('reason')}: this loop publishes {name}; serve it (make serve "
-                f"SCHEMA={loop.run_dir}/export/schema.json), or run the loop as the served "
-                "model's run, or continuous.rollout=false to export only"
+                f"{record.get('reason')}: this loop publishes {name}; serve it (make stop; make "
+                f"serve RUN={loop.run_dir}), or run the loop of the served model's run, or "
+                "continuous.rollout=false to export only"
             )
         error = str(record.get("error") or record.get("reason") or "")
         if any(s in error for s in OWNER_REFUSALS):
