@@ -56,6 +56,10 @@ def odds(rate: float) -> float:
     return r / (1 - r)
 
 
+def _last(n: int) -> str:
+    return "the last file" if n == 1 else f"the last {n} files"
+
+
 def auc_words(auc: float) -> str:
     """What an AUC says about the labels of the rows it was measured on."""
     if auc < 0.5:
@@ -91,7 +95,7 @@ def suspect(
             out.append({"check": "label_rate", "label_rate": rate, "median": round(median, 6),
                         "files": len(rates), "odds_factor": round(factor, 2),
                         "reason": f"label rate {rate:.4f} against a median {median:.4f} over "
-                        f"the last {len(rates)} files (odds x{factor:.1f}; bound x{label_odds:g}"
+                        f"{_last(len(rates))} (odds x{factor:.1f}; bound x{label_odds:g}"
                         ": continuous.quarantine_label_odds)"})  # fmt: skip
     aucs = [float(r["auc"]) for r in recent if r.get("step", 0) > 0 and r.get("auc") is not None]
     if auc_drop and aucs and mine.get("step", 0) > 0 and mine.get("auc") is not None:
@@ -100,7 +104,7 @@ def suspect(
             out.append({"check": "auc", "auc": auc, "median": round(median, 6),
                         "files": len(aucs),
                         "reason": f"progressive AUC {auc:.4f} against a median {median:.4f} over "
-                        f"the last {len(aucs)} files (down {median - auc:.4f}; bound {auc_drop:g}"
+                        f"{_last(len(aucs))} (down {median - auc:.4f}; bound {auc_drop:g}"
                         f": continuous.quarantine_auc_drop), {auc_words(auc)}"})  # fmt: skip
     return out
 
