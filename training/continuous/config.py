@@ -98,7 +98,7 @@ class ContinuousSection:
     on from the refused weights."""
     require_publish: bool = True
     """A run whose every publish failed (nothing exported or rolled out, the gate apart)
-    exits 3 with the fix; false: it exits 0, the warnings stand."""
+    exits 3 with the fix (torchrun, make continuous: 1); false: it exits 0, the warnings stand."""
 
 
 @dataclass

@@ -6,7 +6,7 @@ no: the rollout's evaluation or error gate, the delta's gate), *not rolled out* 
 the stack serves another model) or *failed* (no export, no delta, or a rollout that broke).
 A failure and a not-rolled-out are a WARNING with the fix (the record in ``continuous.jsonl``
 gets it as ``"fix"``), all four are counted in the run's final JSON (``"publish"``), and a run
-whose every publish failed exits 3 (``continuous.require_publish = false``: 0).
+whose every publish failed exits 3 (torchrun then 1; ``continuous.require_publish = false``: 0).
 
 **The model's name** is ``dlrm-<name>`` of the loop's config (``--name``, recorded in the
 run's checkpoints, kept by later runs); the loop passes it to the export. A store holding that
