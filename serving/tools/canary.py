@@ -147,10 +147,14 @@ def misfit(base: dict[str, Any]) -> str | None:
     auc, ne = float(base["auc"]), float(base["normalized_entropy"])
     if auc >= MIN_AUC and ne <= MAX_NE:
         return None
+    if auc < 1 - MIN_AUC:  # ranked the wrong way round: not chance, the labels' meaning
+        what = f"below chance: AUC < {1 - MIN_AUC:g}, labels look inverted"
+    else:
+        what = f"near chance: AUC < {MIN_AUC} or NE > {MAX_NE:g}"
     return (
-        f"scores AUC {auc:.5f}, NE {ne:.5f} on these rows (near chance: AUC < {MIN_AUC} or "
-        f"NE > {MAX_NE:g}): the evaluation data does not fit the model; evaluate on its own "
-        "data (the default), or pass EVAL_DATA=FILE.tsv (--eval-data) of its kind"
+        f"scores AUC {auc:.5f}, NE {ne:.5f} on these rows ({what}): the evaluation data does "
+        "not fit the model; evaluate on its own data (the default), or pass EVAL_DATA=FILE.tsv "
+        "(--eval-data) of its kind"
     )
 
 

@@ -122,3 +122,11 @@ def test_the_model_is_tested_against_the_baseline_on_the_same_rows() -> None:
     worse = np.random.default_rng(3).random(len(y))  # chance
     assert baseline.score(model, held, (y, worse))["vs_baseline"] == "behind"
     assert "vs_baseline" not in baseline.score(model, held, (y[::-1], better[::-1]))
+
+
+def test_inverted_labels_are_not_a_training_problem() -> None:
+    """Both models below chance on the same rows (issue 47: a file with flipped labels was
+    told to 'train on more rows or epochs')."""
+    record = {"auc": 0.27, "ne": 1.6, "baseline_auc": 0.31, "baseline_ne": 1.2, "eval_rows": 2_000}
+    (warning,) = baseline.judge(record)
+    assert "labels look inverted" in warning and "train on more" not in warning, warning

@@ -220,6 +220,12 @@ def judge(record: dict[str, Any]) -> list[str]:
     if any(not isinstance(record.get(k), int | float) for k in keys):
         return []
     auc, ne, b_auc, b_ne = (float(record[k]) for k in keys)
+    if auc < 0.5 and b_auc < 0.5:  # both rank the clicks below the non-clicks: not training
+        return [
+            f"the model and the linear baseline both score below chance (AUC {auc:.4f} and "
+            f"{b_auc:.4f}, on the same {record.get('eval_rows', 0):,} rows): their labels look "
+            "inverted, which no training fixes; check the data"
+        ]
     verdict = record.get("vs_baseline")
     if verdict in ("behind", "within noise"):
         lo, hi = record.get("vs_baseline_ci") or (math.nan, math.nan)
