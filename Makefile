@@ -177,8 +177,9 @@ status:  ## what `make serve` started: TorchServe's READY workers, the gateway's
 # Without DATA, the score/evaluate/rollout tools take the rows the model never trained on
 # (recorded in its schema.json: a batch run's held-out split, a continuous run's next file) and
 # refuse when there are none or that data is gone or changed.
-score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the served model's unseen rows) through the gateway
-	$(PY) -m serving.tools.client --rows $(ROWS) $(if $(DATA),--data $(DATA))
+# not echoed: stdout is the scores alone (`make score > scores.tsv`; which rows: on stderr)
+score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the served model's unseen rows) through the gateway: "row<TAB>probability" lines on stdout
+	@$(PY) -m serving.tools.client --rows $(ROWS) $(if $(DATA),--data $(DATA))
 
 loadtest: setup  ## headless Locust against the gateway: USERS, SPAWN_RATE, DURATION, OUT; report + summary.json + PNG; exit 3 when > 1% of calls fail
 	$(PY) -m loadtest.run --users $(USERS) --spawn-rate $(SPAWN_RATE) --duration $(DURATION) --out $(OUT) $(LOADTEST_ARGS)

@@ -278,7 +278,8 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
 
     def finish(record: dict[str, Any]) -> None:  # the final record, before it is written
         if cfg.baseline.enabled and rank == 0:
-            record.update(fit_baseline(cfg, stream, progress.step, evaluator.full))
+            scored = evaluator.scored[0] if evaluator.scored else None  # for the paired test
+            record.update(fit_baseline(cfg, stream, progress.step, evaluator.full, scored))
         warnings = run_warnings(record, progress, stream, cfg) + judge_baseline(record)
         if warnings:
             record["warnings"] = warnings
@@ -296,17 +297,19 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
     return evaluator.last
 
 
-def fit_baseline(cfg: Config, stream: TrainStream, steps: int, held_out: Arrays) -> dict[str, Any]:
+def fit_baseline(
+    cfg: Config, stream: TrainStream, steps: int, held_out: Arrays, scored: Any = None
+) -> dict[str, Any]:
     """The baseline (:mod:`training.metrics.baseline`) fitted on the rows the model trained
     on (the first epoch's order, as far as ``steps`` went; later epochs reread them), scored
-    on ``held_out``."""
+    on ``held_out``, and against the model's ``scored`` (labels, probs) on those rows."""
     rows = min(steps, stream.steps_per_epoch) * stream.global_batch
     arrays = stream.arrays
     assert isinstance(arrays, Arrays), (
         "a batch run reads one dataset (rows are joined only by the continuous loop)"
     )
     order = epoch_order(len(arrays), cfg.train.seed, 0)[:rows]
-    return fit_and_score(arrays, order, held_out, cfg.baseline)
+    return fit_and_score(arrays, order, held_out, cfg.baseline, scored)
 
 
 def end_lines(final: dict[str, Any], run_dir: Path, cfg: Config) -> list[str]:

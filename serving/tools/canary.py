@@ -27,7 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
+
+from recsys_stack.auc_stats import compare_aucs
 
 VERSION_REQUESTS = "recsys_gateway_version_requests_total"
 PLAN_GENERATION = "recsys_gateway_plan_generation"
@@ -144,11 +147,28 @@ def misfit(base: dict[str, Any]) -> str | None:
     auc, ne = float(base["auc"]), float(base["normalized_entropy"])
     if auc >= MIN_AUC and ne <= MAX_NE:
         return None
+    if auc < 1 - MIN_AUC:  # ranked the wrong way round: not chance, the labels' meaning
+        what = f"below chance: AUC < {1 - MIN_AUC:g}, labels look inverted"
+    else:
+        what = f"near chance: AUC < {MIN_AUC} or NE > {MAX_NE:g}"
     return (
-        f"scores AUC {auc:.5f}, NE {ne:.5f} on these rows (near chance: AUC < {MIN_AUC} or "
-        f"NE > {MAX_NE:g}): the evaluation data does not fit the model; evaluate on its own "
-        "data (the default), or pass EVAL_DATA=FILE.tsv (--eval-data) of its kind"
+        f"scores AUC {auc:.5f}, NE {ne:.5f} on these rows ({what}): the evaluation data does "
+        "not fit the model; evaluate on its own data (the default), or pass EVAL_DATA=FILE.tsv "
+        "(--eval-data) of its kind"
     )
+
+
+def paired_line(base: dict[str, Any], cand: dict[str, Any]) -> str:
+    """The candidate against the default on the same rows, DeLong's paired test (both
+    evaluations' ``scored`` rows, :class:`serving.tools.evaluate.Figures`); "" without them."""
+    a, b = getattr(cand, "scored", None), getattr(base, "scored", None)
+    if a is None or b is None or not np.array_equal(a[0], b[0]):
+        return ""
+    try:
+        c = compare_aucs(a[0], a[1], b[1])
+    except ValueError:
+        return ""
+    return f"  paired test (DeLong, 95%): the candidate is {c}"
 
 
 def compare(base: dict[str, Any], cand: dict[str, Any], margin: float) -> tuple[bool, str]:
@@ -169,6 +189,8 @@ def compare(base: dict[str, Any], cand: dict[str, Any], margin: float) -> tuple[
             return False, "\n".join(lines)
         lines.append(f"  accepted: the default {why.split(':')[0]}, the candidate does not")
         return True, "\n".join(lines)
+    if line := paired_line(base, cand):
+        lines.append(line)
     change = float(cand["auc"]) - float(base["auc"])
     ok = change >= -margin
     lines.append(

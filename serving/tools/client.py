@@ -148,8 +148,9 @@ def rpc_error(e: grpc.RpcError, target: str) -> str:
     return f"{code.name}: {details}"
 
 
-def score_rows(cfg: ClientConfig, rows: Rows) -> Iterable[str]:
-    """``index<TAB>probability[<TAB>label=y]`` per row, ``cfg.batch`` rows per request."""
+def score_rows(cfg: ClientConfig, rows: Rows, first: int = 0) -> Iterable[str]:
+    """``row<TAB>probability[<TAB>label=y]`` per row, ``cfg.batch`` rows per request; ``row``
+    counts as the "scoring rows A..B" line does, from 1, the window's ``first`` row before."""
     client = RankerClient(cfg.target, cfg.timeout_s, channel=cfg)
     try:
         for lo in range(0, len(rows.dense), cfg.batch):
@@ -157,7 +158,7 @@ def score_rows(cfg: ClientConfig, rows: Rows) -> Iterable[str]:
             scores = client.score(build_request(rows.dense[lo:hi], rows.sparse[lo:hi]))
             for i, s in enumerate(scores, lo):
                 label = f"\tlabel={int(rows.labels[i])}" if rows.labels is not None else ""
-                yield f"{i}\t{s:.6f}{label}"
+                yield f"{first + i + 1}\t{s:.6f}{label}"
     finally:
         client.close()
 
@@ -174,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        for line in score_rows(cfg, rows):
+        for line in score_rows(cfg, rows, window.first):
             print(line)
     except (AuthError, OSError, ValueError) as e:  # token or TLS files
         print(f"error: {e}", file=sys.stderr)

@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from recsys_stack.auc_stats import auc_interval
 from recsys_stack.config import ConfigError, env_field, parse, to_dict
 from recsys_stack.criteo_rows import NUM_FIELDS, RowError, field_count
 from recsys_stack.metrics import roc_auc  # the one AUC (training's too)
@@ -117,19 +118,38 @@ def calibration_bins(y: np.ndarray, p: np.ndarray, bins: int) -> list[dict[str, 
     return out
 
 
-def metrics(y: np.ndarray, p: np.ndarray, bins: int) -> dict[str, Any]:
+def _interval(y: np.ndarray, p: np.ndarray) -> list[float] | None:
+    """The AUC's 95% DeLong interval; None with fewer than 2 rows of a class."""
+    try:
+        iv = auc_interval(y, p)
+    except ValueError:
+        return None
+    return [iv.lo, iv.hi]
+
+
+class Figures(dict):  # type: ignore[type-arg]
+    """:func:`metrics`' figures (a dict, serialized as one); ``scored`` keeps the labels and
+    probabilities they came from, for a paired comparison on the same rows (not serialized)."""
+
+    scored: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def metrics(y: np.ndarray, p: np.ndarray, bins: int) -> Figures:
     """Every figure of the report for labels ``y[N]`` and probabilities ``p[N]``."""
     predicted, actual = float(np.mean(p)), float(np.mean(y))
-    return {
+    out = Figures({
         "rows": len(y),
         "auc": roc_auc(y, p),
+        "auc_ci": _interval(y, p),
         "normalized_entropy": normalized_entropy(y, p),
         "log_loss": log_loss(y, p),
         "predicted_ctr": predicted,
         "actual_ctr": actual,
         "calibration": predicted / actual if actual > 0 else float("inf"),
         "bins": calibration_bins(y, p, bins),
-    }
+    })  # fmt: skip
+    out.scored = (y, p)
+    return out
 
 
 # --- rows and scoring ---------------------------------------------------------------------------
@@ -162,14 +182,18 @@ def score_file(cfg: EvaluateConfig, window: Window) -> tuple[np.ndarray, np.ndar
     client = RankerClient(f"{cfg.host}:{cfg.port}", cfg.timeout_s, channel=cfg)
     labels: list[np.ndarray] = []
     scores: list[np.ndarray] = []
-    bar = progress(total=window.count, desc="evaluate", unit="rows", disable=not cfg.progress)
+    bar = None  # drawn from the first good batch: a refused file says its error alone
     try:
         for y, rows in batches(window, cfg.batch):
+            if bar is None:
+                bar = progress(total=window.count, desc="evaluate", unit="rows",
+                               disable=not cfg.progress)  # fmt: skip
             scores.append(client.score(build_request(rows.dense, rows.sparse, cfg.version)))
             labels.append(y)
             bar.update(len(rows.dense))
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         client.close()
     return np.concatenate(labels), np.concatenate(scores)
 
@@ -221,14 +245,18 @@ def evaluate(cfg: EvaluateConfig, out: Path) -> dict[str, Any]:
     return report
 
 
+def _ci(ci: list[float] | None) -> str:
+    return f" (95% interval {ci[0]:.4f}-{ci[1]:.4f}, DeLong)" if ci else ""
+
+
 def summary(report: dict[str, Any]) -> str:
     """The printed lines of a report."""
     v = report["version"]
     version = "the default version" if v == "default" else f"version {v}"
     return (
         f"{report['rows']} rows of {report['data']} ({version})\n"
-        f"AUC {report['auc']:.6f}  NE {report['normalized_entropy']:.6f}  "
-        f"log loss {report['log_loss']:.6f}\n"
+        f"AUC {report['auc']:.6f}{_ci(report.get('auc_ci'))}  "
+        f"NE {report['normalized_entropy']:.6f}  log loss {report['log_loss']:.6f}\n"
         f"calibration {report['calibration']:.4f} (predicted CTR {report['predicted_ctr']:.6f} "
         f"/ actual CTR {report['actual_ctr']:.6f})"
     )

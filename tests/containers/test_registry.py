@@ -1,6 +1,7 @@
 """``make push`` against a real registry (Debian's docker-registry on a free port, plain HTTP):
 the gateway image tagged ``REGISTRY/recsys-gateway:<project version>`` and pushed, the digest
-printed, the local tag removed, the image pulled back by that digest: the same image. The
+printed, the local tag removed, the image pulled back by that digest: the same image, and it
+runs (the gateway's ``--help``, in a container started by the digest). The
 compose variables push prints (RECSYS_IMAGE_PREFIX, RECSYS_IMAGE_TAG) make ``docker-compose
 config`` name exactly the pushed images (no engine needed: Compose 1.29 interpolates).
 
@@ -96,6 +97,10 @@ def test_push_then_pull_by_digest_gives_the_same_image(tmp_path: Path) -> None:
         assert got.returncode == 0, got.stderr
         again = _run(["podman", "image", "inspect", "--format", "{{.Id}}", pulled]).stdout.strip()
         assert again == local, (again, local)
+        # and it runs by that digest: the gateway's entry point, in a container of its own
+        ran = _run(["podman", "run", "--rm", "--network", "none", pulled, "python", "-m",
+                    "serving.gateway", "--help"], timeout=300)  # fmt: skip
+        assert ran.returncode == 0 and "usage" in ran.stdout.lower(), ran.stdout + ran.stderr
     finally:
         if pulled:
             _run(["podman", "rmi", pulled])

@@ -71,6 +71,26 @@ def test_the_error_gate_compares_the_candidate_with_the_default_over_one_window(
     assert judged.seen.startswith("errors v2 1/30 (3.3%), v1 2/200 (1.0%)"), judged
 
 
+def test_the_evaluation_table_says_the_paired_verdict_on_the_same_rows() -> None:
+    """Two evaluations of the same rows: the table adds DeLong's paired test of the candidate
+    against the default (the gate itself stays the margin); other rows: no paired line."""
+    from serving.tools.evaluate import metrics
+
+    rng = np.random.default_rng(0)
+    logit = 1.5 * rng.normal(size=3000) - 1.0  # the rows' true click model
+    y = (rng.random(logit.size) < 1 / (1 + np.exp(-logit))).astype(np.int8)
+    sigmoid = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+    base = metrics(y, sigmoid(0.6 * logit - 0.4 + rng.normal(0, 0.8, y.size)), 10)
+    cand = metrics(y, sigmoid(logit + rng.normal(0, 0.2, y.size)), 10)
+    ok, table = canary.compare(base, cand, 0.002)
+    assert ok and "paired test (DeLong, 95%): the candidate is ahead (+0.0" in table, table
+    ok, table = canary.compare(cand, base, 0.002)
+    assert not ok and "the candidate is behind (-0.0" in table, table
+    other = metrics(y[::-1].copy(), np.asarray(cand.scored[1])[::-1].copy(), 10)
+    assert "paired" not in canary.compare(base, other, 0.002)[1]
+    json.dumps(base)  # the report serializes the figures, not the rows
+
+
 def test_the_error_gate_never_passes_what_it_could_not_judge() -> None:
     """19/19 failed candidate requests, one short of ``min_requests``: not judged, not passed;
     metrics off (no window) or unreachable (no counters now): not judged either."""

@@ -167,7 +167,8 @@ def test_score_evaluate_rollout_default_to_the_rows_the_model_never_trained_on(
         assert "pass DATA=FILE.tsv (make) or --data FILE.tsv to choose" in line
         chosen = run("score", f"DATA={trained_on}", "ROWS=3")
         assert chosen.returncode == 0 and f"rows 1..3 of {trained_on}" in chosen.stderr
-        assert [ln.split("\t")[0] for ln in chosen.stdout.splitlines()[-3:]] == ["0", "1", "2"]
+        # stdout is the scores alone, each row numbered as the stderr line counts them
+        assert [ln.split("\t")[0] for ln in chosen.stdout.splitlines()] == ["1", "2", "3"]
     finally:
         run("stop")
     # nothing serving: the default is refused with the way out, and so is a score without one

@@ -119,9 +119,9 @@ def test_unlabelled_rows_a_missing_gateway_and_no_token_are_one_line_errors(
 ) -> None:  # type: ignore[no-untyped-def]
     unlabelled = tmp_path / "rows.tsv"
     unlabelled.write_text("".join(line.split("\t", 1)[1] for line in _head(synthetic_tsv, 5)))
-    assert evaluate.main(["--data", str(unlabelled), "--no-progress"]) == 2
+    assert evaluate.main(["--data", str(unlabelled)]) == 2  # progress on: no "0/5 rows" first
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "evaluation needs labelled rows" in err
+    assert err.count("\n") == 0 and "evaluation needs labelled rows" in err, err
     labelled = tmp_path / "labelled.tsv"
     labelled.write_text("".join(_head(synthetic_tsv, 5)))
     args = ["--data", str(labelled), "--port", "1", "--timeout-s", "2", "--no-progress"]

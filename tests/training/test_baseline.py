@@ -90,3 +90,43 @@ def test_the_judgement_names_what_the_model_lost() -> None:
     assert "(AUC 0.8000 vs 0.8100, NE 0.8500 vs 0.8400, on the same 2,000 held-out rows)" in warning
     (warning,) = baseline.judge({**record, "baseline_auc": 0.70, "baseline_ne": 0.80})
     assert "(NE 0.8500 vs 0.8000," in warning and "AUC" not in warning.split("(")[1]
+
+
+def test_a_lead_within_the_noise_is_no_lead() -> None:
+    """With the paired test in the record, the AUC must be "ahead": 0.80 over 0.79 on 2,000
+    rows within noise warns, and says the interval."""
+    record = {"auc": 0.80, "ne": 0.85, "eval_rows": 2_000, "baseline_auc": 0.79,
+              "baseline_ne": 0.86}  # fmt: skip
+    assert baseline.judge({**record, "vs_baseline": "ahead"}) == []
+    (warning,) = baseline.judge(
+        {**record, "vs_baseline": "within noise", "vs_baseline_ci": [-0.004, 0.024]}
+    )
+    assert (
+        "AUC 0.8000 vs 0.7900: within noise, +0.0100 with a 95% interval [-0.0040, +0.0240]"
+        in warning
+    )
+
+
+def test_the_model_is_tested_against_the_baseline_on_the_same_rows() -> None:
+    """score() with the model's (labels, probs): DeLong's paired verdict; rows that are not the
+    baseline's (another order) get none rather than a wrong one."""
+    train, held = planted(20_000, 1), planted(4_000, 2)
+    model = baseline.from_config(BaselineConfig())
+    model.fit(train, np.arange(len(train)), 1)
+    y = np.asarray(held.labels)
+    better = np.where(y == 1, 0.9, 0.1)  # a perfect model
+    out = baseline.score(model, held, (y, better))
+    assert out["vs_baseline"] == "ahead" and out["vs_baseline_ci"][0] > 0, out
+    lo, hi = out["baseline_auc_ci"]
+    assert lo < out["baseline_auc"] < hi
+    worse = np.random.default_rng(3).random(len(y))  # chance
+    assert baseline.score(model, held, (y, worse))["vs_baseline"] == "behind"
+    assert "vs_baseline" not in baseline.score(model, held, (y[::-1], better[::-1]))
+
+
+def test_inverted_labels_are_not_a_training_problem() -> None:
+    """Both models below chance on the same rows (issue 47: a file with flipped labels was
+    told to 'train on more rows or epochs')."""
+    record = {"auc": 0.27, "ne": 1.6, "baseline_auc": 0.31, "baseline_ne": 1.2, "eval_rows": 2_000}
+    (warning,) = baseline.judge(record)
+    assert "labels look inverted" in warning and "train on more" not in warning, warning

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -376,9 +377,29 @@ def test_a_second_run_of_the_config_publishes_its_own_model(days: Path, tmp_path
     theirs = json.loads(zipfile.ZipFile(other["mar"]).read("identity.json"))
     assert theirs["run_id"] == new_id and theirs["step"] == step
     # the config run in another directory into the same store: refused the preset's name
-    # (the export's rule, one name for one run's model), in one line; nothing exported
+    # (the export's rule, one name for one run's model); nothing exported. Every publish of
+    # the run refused: a WARNING with the loop's own fix, counted, and the run exits 3
     elsewhere = tmp_path / "run2"
-    run_continuous(["--run-dir", str(elsewhere), *args[2:]], nproc=1)
+    proc = run_continuous(["--run-dir", str(elsewhere), *args[2:]], nproc=1, check=False)
     (refused,) = [e for e in read_metrics(elsewhere / "continuous.jsonl") if e["event"] == "export"]
     assert not refused["ok"] and "from another run" in refused["error"], refused
     assert sorted(store.glob("*.mar")) == sorted([mar, Path(other["mar"])])
+    fix = "CONTINUOUS_ARGS='--name run2'"
+    assert fix in refused["fix"], refused
+    # the loop's process exits 3; torchrun (make continuous) says so, and exits 1
+    assert proc.returncode == 1 and re.search(r"exitcode\s*:\s*3\b", proc.stderr), proc.stderr
+    (warning,) = [x for x in proc.stderr.splitlines() if "publish of step" in x]
+    assert "WARNING" in warning and fix in warning and "dlrm-run2" in warning, warning
+    (error,) = [x for x in proc.stderr.splitlines() if x.startswith("error: every publish")]
+    assert fix in error, error
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["publish"] == {"publishes": 1, "published": 0, "refused": 0,
+                                  "not_rolled_out": 0, "failed": 1}  # fmt: skip
+    # the fix works: the run's model renamed, the next file publishes it
+    lines = (days / "day_2.tsv").read_text().splitlines(keepends=True)[:SMALL]
+    np.save(inbox / "day_2.prob.npy", np.load(days / "day_2.prob.npy")[:SMALL])
+    (inbox / "day_2.tsv").write_text("".join(lines))
+    run_continuous(["--run-dir", str(elsewhere), *args[2:], "--name", "run2"], nproc=1)
+    renamed = [e for e in read_metrics(elsewhere / "continuous.jsonl") if e["event"] == "export"]
+    assert renamed[-1]["ok"] and renamed[-1]["model"] == "dlrm-run2", renamed[-1]
+    assert (store / f"dlrm-run2-{2 * step}.mar").is_file()

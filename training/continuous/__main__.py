@@ -38,7 +38,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             curves = draw(loop.run_dir, None, loop.run_dir / "curves.png")  # progressive AUC
             print(json.dumps({**summary, "curves": str(curves)}))
-        return 0
+        code = loop.outcomes.exit_code()  # every publish failed: said, with the fix (.served)
+        if code and rank == 0:
+            fixes = "; ".join(dict.fromkeys(loop.outcomes.fixes))
+            print(f"error: every publish of this run failed ({summary['publish']['failed']}; "
+                  f"continuous.require_publish=false to exit 0): fix: {fixes}", file=sys.stderr)  # fmt: skip
+        return code
     except RecsysError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)

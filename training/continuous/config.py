@@ -25,6 +25,7 @@ from training.config import Config, add_run_args, config_errors, config_to_dict
 from training.errors import ConfigError, RecsysError
 
 SERVE_DIR_ENV = "RECSYS_SERVE_DIR"  # the running stack's state folder (make serve's)
+AFTER_REFUSAL = ("served", "candidate")
 
 
 @dataclass
@@ -85,6 +86,24 @@ class ContinuousSection:
     publish is a full export + rollout)."""
     keep_cache: bool = False
     """Keep each file's preprocessed cache (data.cache_dir) after it is consumed."""
+    quarantine_window: int = 5
+    """Files (the last trained, quarantined ones apart) an arriving file's label rate and
+    progressive AUC are compared with (0 = no quarantine; training/continuous/poison.py)."""
+    quarantine_label_odds: float = 3.0
+    """Quarantine a file whose label odds (rate / (1 - rate)) differ from the recent files'
+    median odds by more than this factor, either way (0 = off)."""
+    quarantine_auc_drop: float = 0.15
+    """Quarantine a file the served model scores this much AUC below its median on the recent
+    files (below 0.5: "labels look inverted"; 0 = off). Scored first by the current model; a
+    file it flags is scored by the served version's weights too, and quarantined only when
+    they flag it as well (a bad current model is the gate's to refuse)."""
+    after_refusal: str = "served"
+    """After the gate refuses a candidate: "served", the next pass starts from the served
+    version's checkpoint (RUN/served/, pinned at each promotion); "candidate", training goes
+    on from the refused weights."""
+    require_publish: bool = True
+    """A run whose every publish failed (nothing exported or rolled out, the gate apart)
+    exits 3 with the fix (torchrun, make continuous: 1); false: it exits 0, the warnings stand."""
 
 
 @dataclass
@@ -100,11 +119,18 @@ class ContinuousConfig(Config):
             "checkpoint_every",
             "export_every",
             "compact_every",
+            "quarantine_window",
+            "quarantine_label_odds",
+            "quarantine_auc_drop",
         ):
             if getattr(c, name) < 0:
                 raise ConfigError(f"continuous.{name} = {getattr(c, name)}: must be >= 0")
         if c.delta_timeout_s <= 0:
             raise ConfigError(f"continuous.delta_timeout_s = {c.delta_timeout_s}: must be > 0")
+        if c.after_refusal not in AFTER_REFUSAL:
+            raise ConfigError(
+                f"continuous.after_refusal = {c.after_refusal!r}: one of {', '.join(AFTER_REFUSAL)}"
+            )
         if c.poll_s <= 0:
             raise ConfigError(f"continuous.poll_s = {c.poll_s}: must be > 0")
         if not c.data_dir:

@@ -11,10 +11,12 @@ The per-file schedule:
 2. **progressive validation**: AUC, NE, calibration of the current model on the file (its
    first ``continuous.progressive_rows``, default all) before any of it is trained, one record
    in ``RUN/progressive.jsonl`` and ``progressive/*`` in TensorBoard (step = the file's number);
+   a file whose label rate or AUC is far off the recent files' is quarantined (:mod:`.poison`);
 3. **publish**, every ``continuous.export_every`` files trained (:mod:`.publish`): the model
    trained up to the previous file is exported with this file as the rows it never saw
    (schema.json, parity) and rolled out judged on them, the served default beside it, before
-   any model trains on them (progressive validation as the gate: docs/operating.md);
+   any model trains on them (progressive validation as the gate: docs/operating.md); after
+   a refusal the next pass starts from the served version's weights (:mod:`.served`);
 4. **train** one pass: the rows carried from the previous file first, then the file's own, each
    in a shuffled order of its own (seed: the run's and the file's number; :mod:`.carry`),
    checkpointing every ``continuous.checkpoint_every`` steps and at the end with the ledger
@@ -37,11 +39,12 @@ import torch
 from training.checkpoint import store as checkpoint
 from training.checkpoint.checkpointer import Checkpointer
 from training.config import config_to_dict
-from training.continuous import carry, inbox
+from training.continuous import carry, deltas, inbox
 from training.continuous.config import ContinuousArgs, training_config
-from training.continuous.deltas import counted
 from training.continuous.inbox import FileRecord, Ledger
+from training.continuous.poison import Guard
 from training.continuous.publish import from_rank0, on_rank0, publish, run_id
+from training.continuous.served import Outcomes
 from training.data.loader import Arrays, Joined
 from training.errors import DataError, RecsysError
 from training.metrics import baseline
@@ -64,13 +67,8 @@ class Continuous:
 
     def __init__(self, args: ContinuousArgs, rank: int, world: int, device: torch.device):
         cfg, self.run_dir = args.config, args.run_dir
-        self.cfg, self.c, self.rank, self.world, self.device = (
-            cfg,
-            cfg.continuous,
-            rank,
-            world,
-            device,
-        )
+        self.cfg, self.c, self.rank, self.world = cfg, cfg.continuous, rank, world
+        self.device = device
         self.show_bar = rank == 0 and args.progress
         self.data_dir = Path(self.c.data_dir)
         if cfg.train.batch_size % world:
@@ -118,6 +116,7 @@ class Continuous:
         self.last_metrics: dict[str, Any] = {}
         self.file_stats: dict[str, Any] = {}
         self.pass_end = 0.0  # when the last pass ended, checkpoint written (a delta's clock)
+        self.guard, self.outcomes = Guard(self), Outcomes(self)  # quarantine; publish outcomes
 
     # -- files -----------------------------------------------------------------------------
 
@@ -157,11 +156,8 @@ class Continuous:
                         None if tables is None else tuple(tables))  # fmt: skip
         need = self.cfg.train.batch_size if self.c.learn else 1
         if len(arrays) < need or len(set(arrays.labels[:100_000].tolist())) < 2:
-            return (
-                None,
-                f"{len(arrays)} usable rows: too few for one batch of {need} rows, or a single label",
-                {},
-            )
+            why = f"{len(arrays)} usable rows: too few for one batch of {need} rows, or a single label"
+            return None, why, {}
         built_from = data.meta.inputs[0]  # the content the cache holds: what is trained
         info = {"source": str(path), "binary": text, "rows": len(arrays),
                 "train_rows": len(arrays), "eval_rows": 0, "parse_report": data.meta.parse_report,
@@ -216,7 +212,7 @@ class Continuous:
         rec: dict[str, Any] = {"file": record.file, "rows": m["eval_rows"], "auc": m["auc"],
                                "ne": m["ne"], "calibration": m["calibration"],
                                "step": self.progress.step, "file_index": record.index,
-                               "learn": self.c.learn,
+                               "learn": self.c.learn, "label_rate": float(arrays.labels.mean()),
                                "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
         if "oracle_auc" in m:
             rec["oracle_auc"] = m["oracle_auc"]
@@ -274,9 +270,8 @@ class Continuous:
         while self.progress.step < loop.total and loop.step():
             step = self.progress.step
             if step == kill_at and self.rank == self.world - 1:
-                logger.warning(
-                    "%s: killing rank %d after step %d", KILL_AT_STEP_ENV, self.rank, step
-                )
+                logger.warning("%s: killing rank %d after step %d", KILL_AT_STEP_ENV,
+                               self.rank, step)  # fmt: skip
                 os.kill(os.getpid(), signal.SIGKILL)
             every = self.c.checkpoint_every
             if every and step % every == 0 and step < loop.total:
@@ -315,7 +310,8 @@ class Continuous:
                 return [{"event": "export", "ok": False, "step": step, "error": repr(e)}]
 
         done = [f.file for f in self.ledger.done]
-        for r in (records := on_rank0(work, self.rank)):
+        records = self.outcomes.annotate(on_rank0(work, self.rank))  # a failure's fix (.served)
+        for r in records:
             r["after"] = done[-1] if done else None  # the file it was trained up to
             self.events.write(r)
             if self.rank == 0:
@@ -324,7 +320,8 @@ class Continuous:
                 nums = {"promoted": float(bool(r.get("promoted")))}
                 nums |= {k: r[k] for k in ("auc_default", "auc_candidate") if r.get(k) is not None}
                 self.tb_files.add("rollout", nums, index)
-        if counted(records):  # a refused delta is no publish: the next file tries again
+        self.outcomes.after(records)  # warned, counted; after a refusal: the served weights
+        if deltas.counted(records):  # a refused delta is no publish: the next file tries again
             self.ledger.files_since_export, self.ledger.exported_step = 0, step
 
     def due(self) -> bool:
@@ -336,9 +333,8 @@ class Continuous:
         run was stopped after it, before its next checkpoint), is not done again; one not
         done waits for the next file, the rows it will be judged on."""
         step = self.progress.step
-        logged = self.rank == 0 and any(
-            counted([e]) and e.get("step") == step for e in self._records(self.run_dir / EVENTS)
-        )
+        events = self._records(self.run_dir / EVENTS) if self.rank == 0 else []
+        logged = deltas.counted([e for e in events if e.get("step") == step])
         if from_rank0(logged):
             self.ledger.files_since_export, self.ledger.exported_step = 0, step
 
@@ -347,6 +343,7 @@ class Continuous:
         c, done = self.c, 0
         if self.due():
             self.published()
+        self.outcomes.resume()
         while not (c.max_files and done >= c.max_files):
             name = self.next_file()
             if name is None:
@@ -363,6 +360,8 @@ class Continuous:
                 name, len(arrays), info["content"]
             )
             self.validate(record, arrays)
+            if self.guard.check(record, arrays, info):  # quarantined (.poison): the next file
+                continue
             if self.due():  # the model before this file, judged on it: rows no model saw
                 self.publish(path)
             t0 = time.perf_counter()
@@ -379,6 +378,7 @@ class Continuous:
                 "carried_in": record.carried_in, "carried_out": record.carried_out,
                 "segments": record.segments, "step": self.progress.step,
                 "seconds": round(time.perf_counter() - t0, 1), **self.file_stats,
+                **self.outcomes.file_fields(),
             })  # fmt: skip
             if self.rank == 0:
                 logger.info("%s: trained %d rows (%d of them carried in from the previous file)"
@@ -394,4 +394,5 @@ class Continuous:
         pending = self.ledger.done[-1].carried_out if self.ledger.done else 0
         return {"files": done, "step": self.progress.step, "consumed": len(self.ledger.done),
                 "carried_rows": pending, "publish_due": self.due(),
+                **self.guard.summary(), **self.outcomes.summary(),
                 "run_dir": str(self.run_dir)}  # fmt: skip

@@ -247,7 +247,7 @@ def export(
     shutil.rmtree(staging, ignore_errors=True)
     cmd = [sys.executable, "-m", "training.export", "--run-dir", str(run_dir),
            "--checkpoint", str(ckpt), "--version", version, "--model-store", str(staging),
-           "--no-progress", *(["--unseen-data", str(unseen)] if unseen else []),
+           "--no-progress", "--name", name, *(["--unseen-data", str(unseen)] if unseen else []),
            *cfg.continuous.export_args]  # fmt: skip
     try:
         code, out = _run(cmd)

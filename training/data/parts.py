@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from recsys_model.atomic import write_atomic
+from recsys_stack.cpus import available_cpus
 from recsys_stack.criteo_rows import EMPTY_LINE
 from training.data.criteo import (
     MAX_EXAMPLES,
@@ -130,11 +131,10 @@ class _Range(io.RawIOBase):
 
 
 def cpu_cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """CPUs this process may use: its cgroup's CPU quota (a container's limit), at most its
+    affinity (:func:`recsys_stack.cpus.available_cpus`, what TorchServe's workers count too): a
+    trainer pod limited to 2 CPUs on a 64-core node preprocesses with 2 processes, not 64."""
+    return available_cpus()
 
 
 def init_worker() -> None:

@@ -21,6 +21,7 @@ fixed number of ``2^hash_bits`` scans. Deterministic: fixed order, sums in numpy
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from recsys_stack.auc_stats import auc_interval, compare_aucs
 from recsys_stack.metrics import normalized_entropy, roc_auc
 from training.config import BaselineConfig
 from training.data.loader import Arrays
@@ -147,10 +149,36 @@ class HashedLogisticRegression:
         return out
 
 
-def score(model: HashedLogisticRegression, arrays: Arrays) -> dict[str, float]:
-    """``baseline_auc`` and ``baseline_ne`` of ``model`` on every row of ``arrays``."""
+def score(model: HashedLogisticRegression, arrays: Arrays, scored: Any = None) -> dict[str, Any]:
+    """``baseline_auc`` and ``baseline_ne`` of ``model`` on every row of ``arrays``, its AUC's
+    95% interval (``baseline_auc_ci``); with ``scored``, the model's ``(labels, probs)`` on
+    the same rows, DeLong's paired test of the model against it (:func:`paired`)."""
     p, y = model.predict(arrays), np.asarray(arrays.labels)
-    return {"baseline_auc": roc_auc(y, p), "baseline_ne": normalized_entropy(y, p)}
+    out: dict[str, Any] = {"baseline_auc": roc_auc(y, p), "baseline_ne": normalized_entropy(y, p)}
+    with contextlib.suppress(ValueError):  # fewer than 2 of a class: no interval
+        iv = auc_interval(y, p)
+        out["baseline_auc_ci"] = [round(iv.lo, 6), round(iv.hi, 6)]
+    out.update(paired(y, p, scored))
+    return out
+
+
+def paired(y: np.ndarray, baseline: np.ndarray, scored: Any) -> dict[str, Any]:
+    """The model against the baseline on the same rows: ``vs_baseline`` ("ahead", "behind",
+    "within noise"), the AUC difference, its 95% interval and p-value; nothing when the
+    model's rows are not these (other labels in another order) or too few."""
+    if scored is None:
+        return {}
+    labels, probs = (np.asarray(a).reshape(-1) for a in scored)
+    if labels.shape != y.shape or not np.array_equal(labels.astype(bool), y.astype(bool)):
+        logger.warning("the model's evaluation rows are not the baseline's: no paired test")
+        return {}
+    try:
+        c = compare_aucs(y, probs, baseline)
+    except ValueError:
+        return {}
+    return {"vs_baseline": c.verdict, "vs_baseline_auc": round(c.delta, 6),
+            "vs_baseline_ci": [round(c.lo, 6), round(c.hi, 6)],
+            "vs_baseline_p": float(f"{c.p_value:.3g}")}  # fmt: skip
 
 
 def from_config(cfg: BaselineConfig) -> HashedLogisticRegression:
@@ -158,33 +186,53 @@ def from_config(cfg: BaselineConfig) -> HashedLogisticRegression:
 
 
 def fit_and_score(
-    train: Arrays, order: np.ndarray, held_out: Arrays, cfg: BaselineConfig
+    train: Arrays, order: np.ndarray, held_out: Arrays, cfg: BaselineConfig, scored: Any = None
 ) -> dict[str, Any]:
     """A baseline fitted on rows ``order`` of ``train``, scored on ``held_out``: its AUC, NE,
     the rows it saw and the seconds it cost (``baseline_seconds``), logged in one line."""
     t0 = time.perf_counter()
     model, bits, passes = from_config(cfg), cfg.hash_bits, cfg.passes
     model.fit(train, order, passes)
-    out: dict[str, Any] = score(model, held_out)
+    out: dict[str, Any] = score(model, held_out, scored)
     out["baseline_train_rows"] = len(order)
     out["baseline_seconds"] = round(time.perf_counter() - t0, 2)
+    ci = out.get("baseline_auc_ci")
+    vs = out.get("vs_baseline")
     logger.info(
         "baseline (hashed logistic regression, 2^%d weights, %d pass%s over %s rows): "
-        "AUC %.4f  NE %.4f on %s held-out rows, %.1f s",
+        "AUC %.4f%s  NE %.4f on %s held-out rows, %.1f s%s",
         bits, passes, "" if passes == 1 else "es", f"{len(order):,}", out["baseline_auc"],
-        out["baseline_ne"], f"{len(held_out):,}", out["baseline_seconds"],
+        f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "", out["baseline_ne"], f"{len(held_out):,}",
+        out["baseline_seconds"],
+        f"; the model against it: {vs}, {out['vs_baseline_auc']:+.4f} AUC [{out['vs_baseline_ci'][0]:+.4f}, "
+        f"{out['vs_baseline_ci'][1]:+.4f}] (95%, DeLong paired, p {out['vs_baseline_p']:.3g})"
+        if vs else "",
     )  # fmt: skip
     return out
 
 
 def judge(record: dict[str, Any]) -> list[str]:
     """The warning of a record whose model does not beat its baseline on AUC or on NE (the
-    same rows), with what to try; none without baseline figures."""
+    same rows), with what to try; none without baseline figures. With the paired test
+    (``vs_baseline``, :func:`paired`), the AUC must be ``ahead``: a lead within the noise of
+    the rows is no lead."""
     keys = ("auc", "ne", "baseline_auc", "baseline_ne")
     if any(not isinstance(record.get(k), int | float) for k in keys):
         return []
     auc, ne, b_auc, b_ne = (float(record[k]) for k in keys)
-    lost = [f"AUC {auc:.4f} vs {b_auc:.4f}"] if not auc > b_auc else []
+    if auc < 0.5 and b_auc < 0.5:  # both rank the clicks below the non-clicks: not training
+        return [
+            f"the model and the linear baseline both score below chance (AUC {auc:.4f} and "
+            f"{b_auc:.4f}, on the same {record.get('eval_rows', 0):,} rows): their labels look "
+            "inverted, which no training fixes; check the data"
+        ]
+    verdict = record.get("vs_baseline")
+    if verdict in ("behind", "within noise"):
+        lo, hi = record.get("vs_baseline_ci") or (math.nan, math.nan)
+        lost = [f"AUC {auc:.4f} vs {b_auc:.4f}: {verdict}, {auc - b_auc:+.4f} with a 95% "
+                f"interval [{lo:+.4f}, {hi:+.4f}] (DeLong, paired)"]  # fmt: skip
+    else:
+        lost = [f"AUC {auc:.4f} vs {b_auc:.4f}"] if verdict != "ahead" and not auc > b_auc else []
     lost += [f"NE {ne:.4f} vs {b_ne:.4f}"] if not ne < b_ne else []
     if not lost:
         return []

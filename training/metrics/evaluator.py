@@ -23,10 +23,12 @@ logger = logging.getLogger("training")
 
 
 def evaluate(
-    model: nn.Module, arrays: Arrays, cfg: Config, rank: int, world: int, prefix: int = 0
-) -> dict[str, float]:
+    model: nn.Module, arrays: Arrays, cfg: Config, rank: int, world: int, prefix: int = 0,
+    keep: list[Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """AUC, NE (and oracle AUC on synthetic data) over ``arrays``, gathered over all ranks
-    (and over its first ``prefix`` rows: :meth:`EvalMetrics.compute`)."""
+    (and over its first ``prefix`` rows: :meth:`EvalMetrics.compute`); ``keep`` gets the
+    ``(labels, probs)`` scored, in ``arrays``' order (a paired comparison's other half)."""
     local_batch = cfg.train.batch_size // world
     metrics = EvalMetrics(local_batch, with_oracle=arrays.prob is not None)
     was_training = model.training
@@ -43,7 +45,10 @@ def evaluate(
             _, (_, logits, labels) = model(batch)
             metrics.update(torch.sigmoid(logits.float().cpu()), labels.cpu(), mb.weights, mb.prob)
     model.train(was_training)
-    return metrics.compute(prefix)
+    out = metrics.compute(prefix)
+    if keep is not None:
+        keep.append(metrics.scored)
+    return out
 
 
 class Evaluator:
@@ -58,6 +63,7 @@ class Evaluator:
         rows = cfg.train.eval_rows
         self.subset = eval_arrays.rows(0, rows) if rows else eval_arrays
         self.last: dict[str, Any] = {}  # the latest record (empty before the first)
+        self.scored: list[Any] = []  # [(labels, probs)] of the latest evaluation's rows
 
     def should_evaluate(self, step: int, at_end: bool) -> bool:
         return bool(self.every and step % self.every == 0) or at_end
@@ -90,7 +96,8 @@ class Evaluator:
                 record[key] = self.last.get(key)
         arrays = self.full if final else self.subset
         prefix = len(self.subset) if final else 0
-        record.update(evaluate(model, arrays, self.cfg, self.rank, self.world, prefix))
+        self.scored = []  # the final evaluation's rows, for the baseline's paired test
+        record.update(evaluate(model, arrays, self.cfg, self.rank, self.world, prefix, self.scored))
         if "oracle_auc" in record:
             record["auc_vs_oracle"] = record["auc"] / record["oracle_auc"]
         return record

@@ -5,6 +5,7 @@ served model's evaluation report, computed on the predictions of every rank gath
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -16,6 +17,7 @@ from torchrec.metrics.metrics_config import RecComputeMode, RecTaskInfo
 from torchrec.metrics.ne import NEMetric
 
 from recsys_model.atomic import write_atomic
+from recsys_stack.auc_stats import auc_interval
 from recsys_stack.metrics import normalized_entropy, roc_auc
 from training.metrics.tb import Scalars
 
@@ -47,6 +49,7 @@ class EvalMetrics:
         self._ne = NEMetric(**kw)
         self.with_oracle = with_oracle
         self._rows: list[torch.Tensor] = []  # per batch: [probs, labels, weights(, oracle)]
+        self.scored: tuple[Any, Any] | None = None  # (labels, probs) of the last compute's rows
 
     def update(
         self,
@@ -65,10 +68,11 @@ class EvalMetrics:
             columns.append(oracle_probs)
         self._rows.append(torch.stack([c.detach().float().cpu().reshape(-1) for c in columns]))
 
-    def compute(self, prefix: int = 0) -> dict[str, float]:
+    def compute(self, prefix: int = 0) -> dict[str, Any]:
         """AUC, NE, calibration, rows (and oracle AUC) over every rank's rows; with ``prefix``
         fewer than them, also ``subset_auc``, ``subset_ne`` and ``subset_rows`` over the first
-        ``prefix`` rows (in the split's order: each rank scores a contiguous share)."""
+        ``prefix`` rows (in the split's order: each rank scores a contiguous share); ``auc_ci``:
+        the AUC's 95% DeLong interval (:mod:`recsys_stack.auc_stats`)."""
         local = torch.cat(self._rows, dim=1) if self._rows else torch.zeros(3 + self.with_oracle, 0)
         parts: list[Any] = [local]
         if dist.is_initialized():
@@ -77,7 +81,13 @@ class EvalMetrics:
         table = torch.cat(parts, dim=1)
         real = table[2] > 0
         labels = table[1][real]
-        out = {"auc": roc_auc(labels, table[0][real]), "ne": _lifetime(self._ne.compute(), "ne")}
+        out: dict[str, Any] = {
+            "auc": roc_auc(labels, table[0][real]), "ne": _lifetime(self._ne.compute(), "ne")
+        }  # fmt: skip
+        self.scored = (labels.numpy(), table[0][real].numpy())  # (y, p) of every real row
+        with contextlib.suppress(ValueError):  # fewer than 2 of a class: no interval
+            iv = auc_interval(*self.scored)
+            out["auc_ci"] = [round(iv.lo, 6), round(iv.hi, 6)]  # DeLong, 95%
         if self.with_oracle:
             out["oracle_auc"] = roc_auc(labels, table[3][real])
         out["eval_rows"] = int(real.sum())
