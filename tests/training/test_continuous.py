@@ -74,15 +74,22 @@ def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
+def make_days(out: Path, days: int, rows: int, drift: float = 0.1) -> str:
+    """``days`` synthetic days of ``rows`` rows (vocabulary 100) drifting by ``drift`` into
+    ``out`` (``day_<d>.tsv`` and ``.prob.npy``); the generator's stdout."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "training.data.synthetic", "--days", str(days), "--drift",
+         str(drift), "--rows", str(rows), "--vocab", "100", "--out", str(out), "--no-progress"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    return proc.stdout
+
+
 @pytest.fixture(scope="module")
 def days(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("days")
-    proc = subprocess.run(
-        [sys.executable, "-m", "training.data.synthetic", "--days", str(DAYS), "--drift",
-         str(DRIFT), "--rows", str(ROWS), "--vocab", "100", "--out", str(out), "--no-progress"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-    assert "day 0's click model" in proc.stdout, proc.stdout
+    stdout = make_days(out, DAYS, ROWS, DRIFT)
+    assert "day 0's click model" in stdout, stdout
     return out
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,9 +20,9 @@ import pytest
 from recsys_model.delta import read_pointer
 from serving.tools.deltas import acks
 from serving.tools.supervisor import read_state
-from tests.conftest import ROOT, _env
+from tests.conftest import _env
 from tests.stack import run_python, start_supervisor
-from tests.training.test_continuous import copy_days, meta_of, run_continuous
+from tests.training.test_continuous import copy_days, make_days, meta_of, run_continuous
 from training.metrics.log import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -35,11 +33,7 @@ MODEL = "dlrm-tiny"
 
 def test_the_loop_publishes_a_gated_delta_that_every_worker_serves(tmp_path: Path) -> None:
     days = tmp_path / "days"
-    subprocess.run(
-        [sys.executable, "-m", "training.data.synthetic", "--days", "3", "--drift", "0.1",
-         "--rows", str(ROWS), "--vocab", "100", "--out", str(days), "--no-progress"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+    make_days(days, 3, ROWS)
     inbox, run, store, serve = (tmp_path / n for n in ("inbox", "run", "store", "serve"))
     common = ["--run-dir", str(run), "--data-dir", str(inbox), "continuous.export_every=1",
               f'data.cache_dir="{tmp_path / "cache"}"', f'continuous.model_store="{store}"',
@@ -103,11 +97,7 @@ def test_an_int4_stack_takes_int4_deltas_and_an_unanswered_one_is_a_full_publish
     ``continuous.delta_timeout_s`` and the same publish is a full export + rollout, the
     refused delta's file removed and the ledger's clock restarted by the export."""
     days = tmp_path / "days"
-    subprocess.run(
-        [sys.executable, "-m", "training.data.synthetic", "--days", "4", "--drift", "0.1",
-         "--rows", str(ROWS), "--vocab", "100", "--out", str(days), "--no-progress"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+    make_days(days, 4, ROWS)
     inbox, run, store, serve = (tmp_path / n for n in ("inbox", "run", "store", "serve"))
     common = ["--run-dir", str(run), "--data-dir", str(inbox), "continuous.export_every=1",
               f'data.cache_dir="{tmp_path / "cache"}"', f'continuous.model_store="{store}"',

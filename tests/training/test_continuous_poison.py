@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, _env
+from tests.conftest import _env
 from tests.stack import run_python, start_supervisor
-from tests.training.test_continuous import copy_days, meta_of, run_continuous
+from tests.training.test_continuous import copy_days, make_days, meta_of, run_continuous
 from training.metrics.log import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -29,11 +27,7 @@ STEPS = ROWS // 256
 @pytest.fixture(scope="module")
 def days(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("days")
-    subprocess.run(
-        [sys.executable, "-m", "training.data.synthetic", "--days", "4", "--drift", "0.1",
-         "--rows", str(ROWS), "--vocab", "100", "--out", str(out), "--no-progress"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+    make_days(out, 4, ROWS)
     return out
 
 
