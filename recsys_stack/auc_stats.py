@@ -128,3 +128,18 @@ def compare_aucs(labels: Any, scores_a: Any, scores_b: Any, level: float = 0.95)
     lo, hi = delta - half, delta + half
     verdict = "ahead" if lo > 0 else "behind" if hi < 0 else "within noise"
     return AucComparison(float(aucs[0]), float(aucs[1]), delta, lo, hi, p, verdict, level)
+
+
+class RowsDiffer(ValueError):
+    """Two models' scored rows are not the same rows (other labels, or in another order)."""
+
+
+def compare_scored(a: tuple[Any, Any], b: tuple[Any, Any], level: float = 0.95) -> AucComparison:
+    """:func:`compare_aucs` of model ``a`` against model ``b``, each given as the ``(labels,
+    probs)`` it was scored on; :class:`RowsDiffer` unless those are the same rows (equal
+    labels in the same order), ValueError with too few of a class."""
+    ya, pa = (np.asarray(x).reshape(-1) for x in a)
+    yb, pb = (np.asarray(x).reshape(-1) for x in b)
+    if ya.shape != yb.shape or not np.array_equal(ya.astype(bool), yb.astype(bool)):
+        raise RowsDiffer(f"{ya.size} and {yb.size} rows, not the same ones: no paired test")
+    return compare_aucs(ya, pa, pb, level)

@@ -27,10 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from recsys_stack.auc_stats import compare_aucs
+from recsys_stack.auc_stats import compare_scored
 
 VERSION_REQUESTS = "recsys_gateway_version_requests_total"
 PLAN_GENERATION = "recsys_gateway_plan_generation"
@@ -162,11 +161,11 @@ def paired_line(base: dict[str, Any], cand: dict[str, Any]) -> str:
     """The candidate against the default on the same rows, DeLong's paired test (both
     evaluations' ``scored`` rows, :class:`serving.tools.evaluate.Figures`); "" without them."""
     a, b = getattr(cand, "scored", None), getattr(base, "scored", None)
-    if a is None or b is None or not np.array_equal(a[0], b[0]):
+    if a is None or b is None:
         return ""
     try:
-        c = compare_aucs(a[0], a[1], b[1])
-    except ValueError:
+        c = compare_scored(a, b)
+    except ValueError:  # other rows (RowsDiffer), or too few of a class
         return ""
     return f"  paired test (DeLong, 95%): the candidate is {c}"
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from recsys_stack.auc_stats import auc_interval, compare_aucs
+from recsys_stack.auc_stats import RowsDiffer, auc_interval, compare_scored
 from recsys_stack.metrics import normalized_entropy, roc_auc
 from training.config import BaselineConfig
 from training.data.loader import Arrays
@@ -168,13 +168,12 @@ def paired(y: np.ndarray, baseline: np.ndarray, scored: Any) -> dict[str, Any]:
     model's rows are not these (other labels in another order) or too few."""
     if scored is None:
         return {}
-    labels, probs = (np.asarray(a).reshape(-1) for a in scored)
-    if labels.shape != y.shape or not np.array_equal(labels.astype(bool), y.astype(bool)):
+    try:
+        c = compare_scored(scored, (y, baseline))
+    except RowsDiffer:
         logger.warning("the model's evaluation rows are not the baseline's: no paired test")
         return {}
-    try:
-        c = compare_aucs(y, probs, baseline)
-    except ValueError:
+    except ValueError:  # too few of a class
         return {}
     return {"vs_baseline": c.verdict, "vs_baseline_auc": round(c.delta, 6),
             "vs_baseline_ci": [round(c.lo, 6), round(c.hi, 6)],
