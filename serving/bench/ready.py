@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,9 @@ class LogStamps:
     """Follows ``path`` from a thread: the monotonic time each marker first appeared."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.at, self.lines = path, {}, []  # type: ignore[var-annotated]
+        self.path = path
+        self.at: dict[str, float] = {}
+        self.lines: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -140,8 +143,6 @@ def one_start(store: Path, work: Path, workers: int, shape: tuple[int, int]) -> 
 
 def schema_shape(store: Path) -> tuple[int, int]:
     """(dense, sparse) feature counts of the newest archive's schema."""
-    import zipfile
-
     mar = max(store.glob("*.mar"), key=lambda p: p.stat().st_mtime)
     with zipfile.ZipFile(mar) as z:
         schema = json.loads(z.read("schema.json"))
