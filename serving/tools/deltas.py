@@ -91,16 +91,17 @@ def serves(ack: dict[str, Any], pointer: dict[str, Any]) -> bool:
 
 def wait_served(
     folder: Path, pointer: dict[str, Any], pids: Sequence[int], timeout: float
-) -> float:
-    """Seconds until every one of ``pids`` acknowledges serving ``pointer`` (:func:`serves`);
-    raises RolloutError with a worker's own error when it refuses it (an ack of this pointer
-    with an error) or takes no delta at all, or on timeout."""
+) -> tuple[float, float]:
+    """(seconds until every one of ``pids`` acknowledges serving ``pointer`` (:func:`serves`),
+    the last ack's own time); raises RolloutError with a worker's own error when it refuses it
+    (an ack of this pointer with an error) or takes no delta at all, or on timeout."""
     label = pointer["chain"][-1]["version"] if pointer["chain"] else ""
     t0 = time.monotonic()
     while True:
         seen = acks(folder, pids)
         if all(serves(seen.get(p, {}), pointer) for p in pids):
-            return time.monotonic() - t0
+            last = max((float(seen[p].get("time") or 0) for p in pids), default=0.0)
+            return time.monotonic() - t0, last or time.time()
         for pid, ack in seen.items():
             if ack.get("deltas") is False or (answered(ack, pointer) and ack.get("error")):
                 raise RolloutError(f"worker {pid} refused {label or 'the base'}: {ack['error']}")
@@ -124,7 +125,7 @@ def move(folder: Path, change: Change, pids: Sequence[int], timeout: float) -> d
     old, pointer = update_pointer(folder, change)
     label = pointer["version"]
     try:
-        served = wait_served(folder, pointer, pids, timeout)
+        served, acked_at = wait_served(folder, pointer, pids, timeout)
     except RolloutError as e:
         moved = [p for p, ack in acks(folder, pids).items() if answered(ack, pointer)]
         _, back = update_pointer(folder, lambda now: old if now == pointer["chain"] else now)
@@ -135,7 +136,7 @@ def move(folder: Path, change: Change, pids: Sequence[int], timeout: float) -> d
             raise RolloutError(f"{e}; the pointer is back on {where}, but {again}") from None
         raise RolloutError(f"{e}; back to {where}") from None
     return {"version": label, "pointer_time": pointer["time"], "served_s": round(served, 3),
-            "workers": len(pids)}  # fmt: skip
+            "acked_at": acked_at, "workers": len(pids)}  # fmt: skip
 
 
 def append(entry: dict[str, Any]) -> Change:
@@ -236,7 +237,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serving.tools.deltas", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("command", choices=("publish", "rollback"))
@@ -252,13 +253,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="JSON list: the rollout's arguments "
         'whose margin judges the delta\'s gate (e.g. \'["--margin", "0.01"]\')',
     )
-    a = p.parse_args(argv)
+    return p
+
+
+def outcome(argv: Sequence[str]) -> dict[str, Any]:
+    """The command's record for ``argv`` (``promoted`` false and the ``reason`` on an error):
+    what it prints, for a caller in its own process (the continuous loop: no cold start)."""
     try:
-        out = run(a)
+        return run(parser().parse_args(argv))
     except (RolloutError, manage.ManageError, OSError, ValueError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        print(json.dumps({"event": "delta", "promoted": False, "reason": f"error: {e}"}))
-        return 1
+        return {"event": "delta", "promoted": False, "reason": f"error: {e}"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    out = outcome(sys.argv[1:] if argv is None else argv)
+    if str(out.get("reason", "")).startswith("error: "):
+        print(out["reason"], file=sys.stderr)
     print(json.dumps(out))
     return 0 if out.get("promoted", True) else 1
 

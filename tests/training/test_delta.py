@@ -335,6 +335,42 @@ def test_int4_and_mixed_tables_take_deltas_of_their_own_format(
     assert f"a delta of int8 rows; this worker serves {fmt} tables" in other.error, other.error
 
 
+@pytest.mark.parametrize("case", ["int8 chain", "int4"])
+def test_a_delta_of_the_touched_rows_equals_the_one_of_every_row(
+    later: dict[str, Any], chain: dict[str, Any], case: str, tmp_path: Path
+) -> None:
+    """The continuous loop diffs only the rows its passes trained (``touched``, a superset):
+    given the rows the full scan found changed plus as many untouched-by-change ones, the delta
+    holds the same ids and bytes (the int8 one second in a chain, compared with the chain's
+    rows; the int4 one over a fresh base); given a set that misses changed rows, it misses
+    them (the rows really come from ``touched``)."""
+    if case == "int4":
+        over, record = chain["int4"]
+        base_dir, fmt = later["full"], "int4"
+    else:
+        over, record, base_dir, fmt = chain["folder"], chain["records"][1], later["base"], "int8"
+    full = torch.load(over / record["file"], weights_only=True)
+    served = load_mapped(base_dir / f"mapped_{fmt}.pt", torch.device("cpu"))
+    sizes = [int(r) for r in served.spec["rows"]]
+    local, _, _ = layout(sizes, served.dim, [fmt] * len(sizes))
+    ids = full["ids"].numpy()
+    rng = np.random.default_rng(0)
+    touched = []
+    for t, n in enumerate(sizes):
+        mine = ids[(ids >= local[t]) & (ids < local[t] + n)] - local[t]
+        extra = rng.integers(0, n, max(len(mine), 3))
+        touched.append(np.unique(np.concatenate([mine, extra])))
+    ckpt = Path(full["checkpoint"])
+    for name, rows in (("superset", touched), ("half", [t[: len(t) // 2] for t in touched])):
+        folder = tmp_path / name / over.name
+        shutil.copytree(over, folder, ignore=shutil.ignore_patterns(record["file"], "acks"))
+        got, _, _ = make_delta(ckpt, later["cfg"].model, base_dir, folder, "60", fmt, rows)
+        mine = torch.load(folder / got["file"], weights_only=True)
+        same = torch.equal(mine["ids"], full["ids"]) and torch.equal(mine["rows"], full["rows"])
+        print(f"{case} {name}: {got['rows']} of {record['rows']} rows")
+        assert same == (name == "superset"), (name, got["rows"], record["rows"])
+
+
 def test_only_acks_of_the_pointer_count(later: dict[str, Any], tmp_path: Path) -> None:
     """An ack written before the pointer moved says nothing of it: a repeated label (another
     file) is not 'served' until the worker answers the new pointer, and an error the worker

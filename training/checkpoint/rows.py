@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
@@ -180,3 +181,36 @@ def table_rows(
             yield start, table.read(start, buf[:n])
     finally:
         table.close()
+
+
+def rows_at(ckpt: Path, key: str, ids: np.ndarray, meta: Metadata | None = None) -> torch.Tensor:
+    """Rows ``ids`` (sorted, int64) of the table ``key`` of ``ckpt``, a ``[len(ids), dim]``
+    tensor of their own: gathered from each chunk's storage mapped read-only (the page cache a
+    checkpoint just written is in; no buffer the table's size), or, when a chunk cannot be read
+    so, from the whole table loaded as :func:`table_rows` loads it."""
+    table = TableRows(ckpt, key, meta)
+    try:
+        if len(ids) and (int(ids[0]) < 0 or int(ids[-1]) >= table.rows):
+            raise CheckpointError(f"rows {int(ids[0])}..{int(ids[-1])} of '{key}' asked: "
+                                  f"it has {table.rows}")  # fmt: skip
+        np_dtype = _np_dtype(table.dtype) if table.direct else None
+        if np_dtype is None:
+            whole = torch.empty(table.rows, table.dim, dtype=table.dtype)
+            dcp.load({key: whole}, checkpoint_id=str(ckpt), no_dist=True)
+            return whole[torch.from_numpy(ids)]
+        out = torch.empty(len(ids), table.dim, dtype=table.dtype)
+        for f, at, col0, cols in table.chunks:
+            mm = np.memmap(f, dtype=np_dtype, mode="r", offset=at, shape=(table.rows, cols))
+            out[:, col0 : col0 + cols] = torch.from_numpy(mm[ids])
+            del mm
+        return out
+    finally:
+        table.close()
+
+
+def _np_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """numpy's dtype for ``dtype`` (None: none, e.g. bfloat16)."""
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        return None

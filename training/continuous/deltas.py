@@ -9,11 +9,13 @@ loop's last full publish), a due publish is a delta instead of an export + rollo
    chain), the dense weights, into ``<store>/deltas/<model>/<default>/``; what serves now and
    the candidate scored on the arriving file's first ``rollout_eval_rows`` rows (rows the
    candidate never trained on);
-2. ``python -m serving.tools.deltas publish``: those scores judged by the rollout's rules
-   (``continuous.rollout_args``' margin, the near-chance refusal), every worker's format
-   checked, the pointer moved, every worker of every replica acknowledging within
-   ``continuous.delta_timeout_s``; ``continuous.delta_dwell_s`` > 0: the gateway's error
-   gate, a failure rolled back.
+   Only the rows the passes since what serves trained on are compared when the loop knows
+   them (:mod:`.touched`; ``compared`` in the record: their count, or "all");
+2. ``serving.tools.deltas publish``, in the loop's process (no cold start): those scores
+   judged by the rollout's rules (``continuous.rollout_args``' margin, the near-chance
+   refusal), every worker's format checked, the pointer moved, every worker of every replica
+   acknowledging within ``continuous.delta_timeout_s``; ``continuous.delta_dwell_s`` > 0:
+   the gateway's error gate, a failure rolled back.
 
 **Falling back.** A variant with no delta path (fp16/fp32 tables, TorchScript), a delta that
 cannot be made, one a worker refuses (its own error is recorded: another format, CUDA, a
@@ -26,14 +28,13 @@ next file tries again.
 Every ``continuous.compact_every`` deltas (the chain that long) the publish is a full export
 + rollout again (compaction): a new version, a new mapped file, an empty chain. The record in
 ``continuous.jsonl``: format, rows, bytes, the gate's figures, ``served_s`` (pointer -> every
-worker) and ``freshness_s`` (end of the pass -> every worker serving it).
+worker) and ``freshness_s`` (end of the pass -> the last worker's acknowledgement, by its own
+clock).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from typing import Any
 from recsys_model.delta import DeltaError, read_pointer
 from training.checkpoint import store as checkpoint
 from training.continuous.config import ContinuousConfig
+from training.continuous.touched import Touched, chain_end
 from training.errors import RecsysError
 from training.export.delta import gate, make_delta, served_format, unseen_arrays
 
@@ -74,7 +76,7 @@ def counted(records: list[dict[str, Any]]) -> bool:
 
 def try_delta(
     cfg: ContinuousConfig, run_dir: Path, store: Path, base: dict[str, Any], unseen: Path,
-    pass_end: float,
+    pass_end: float, touched: Touched | None = None,
 ) -> dict[str, Any] | None:  # fmt: skip
     """The delta record of this publish; None when none is due (not the default's export,
     compaction): a full publish. A record with ``fallback``: a full publish follows."""
@@ -89,12 +91,12 @@ def try_delta(
     if fmt is None:
         return {**base, "event": "delta", "base": folder.name, "promoted": False,
                 "reason": why, "fallback": FULL}  # fmt: skip
-    return publish_delta(cfg, run_dir, folder, base, unseen, pass_end, fmt)
+    return publish_delta(cfg, run_dir, folder, base, unseen, pass_end, fmt, touched)
 
 
 def publish_delta(
     cfg: ContinuousConfig, run_dir: Path, folder: Path, base: dict[str, Any], unseen: Path,
-    pass_end: float, fmt: str = "int8",
+    pass_end: float, fmt: str = "int8", touched: Touched | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Make, gate and publish the delta of ``run_dir``'s latest checkpoint over ``folder``
     for ``fmt`` tables; the record (module doc)."""
@@ -107,8 +109,10 @@ def publish_delta(
         ckpt = checkpoint.read_latest(run_dir / "checkpoints")
         if ckpt is None:
             raise DeltaError(f"{run_dir}: no checkpoint")
+        since = touched.since(chain_end(folder, read_pointer(folder)["chain"])) if touched else None
+        record["compared"] = "all" if since is None else int(sum(len(t) for t in since))
         delta, now, candidate = make_delta(ckpt, cfg.model, run_dir / "export", folder,
-                                           base["version"], fmt)  # fmt: skip
+                                           base["version"], fmt, since)  # fmt: skip
         made = [folder / delta["file"], folder / f"{Path(delta['file']).stem}.judge.npz"]
         arrays = unseen_arrays(unseen, cfg, c.rollout_eval_rows)
         judged = gate(now, candidate, arrays, made[1])
@@ -117,18 +121,18 @@ def publish_delta(
         return {**record, "reason": f"delta not made: {e}", "fallback": FULL}
     record.update(rows=delta["rows"], bytes=delta["bytes"], gate=judged,
                   make_s=round(time.perf_counter() - t0, 2))  # fmt: skip
-    cmd = [sys.executable, "-m", "serving.tools.deltas", "publish", "--workdir",
-           str(c.serve_dir), "--record", json.dumps({**delta, "gate": judged}),
-           "--dwell-s", str(c.delta_dwell_s), "--timeout-s", str(c.delta_timeout_s),
-           "--rollout-args", json.dumps(list(c.rollout_args))]  # fmt: skip
-    moved = subprocess.run(cmd, capture_output=True, text=True)
-    try:
-        out = json.loads(moved.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        out = {"reason": moved.stderr.strip()[-500:] or f"exit {moved.returncode}"}
+    from serving.tools import deltas as publisher  # in this process: no cold start
+
+    out = publisher.outcome(["publish", "--workdir", str(c.serve_dir), "--record",
+                             json.dumps({**delta, "gate": judged}), "--dwell-s",
+                             str(c.delta_dwell_s), "--timeout-s", str(c.delta_timeout_s),
+                             "--rollout-args", json.dumps(list(c.rollout_args))])  # fmt: skip
+    acked = float(out.get("acked_at") or time.time())  # the last worker's ack: it serves now
     record.update(promoted=bool(out.get("promoted")), served_s=out.get("served_s"),
                   workers=out.get("workers"), reason=out.get("reason"),
-                  freshness_s=round(time.time() - pass_end, 2))  # fmt: skip
+                  freshness_s=round(acked - pass_end, 2))  # fmt: skip
+    if record["promoted"] and touched is not None:  # what serves now: this delta
+        touched.restart(chain_end(folder, read_pointer(folder)["chain"]), int(base["step"]))
     if isinstance(out.get("gate"), dict):
         record["gate"] = {**judged, **out["gate"]}
     record["gate"].pop("judge", None)  # its file is removed below

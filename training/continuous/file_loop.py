@@ -21,8 +21,8 @@ The per-file schedule:
    in a shuffled order of its own (seed: the run's and the file's number; :mod:`.carry`),
    checkpointing every ``continuous.checkpoint_every`` steps and at the end with the ledger
    (file, row position, trained segments, rows carried in and out) in ``meta.json``: a run
-   killed mid-file resumes at the last checkpoint's row, and its progressive record is not
-   redone; the last rows of the order, fewer than a global batch, are carried to the next file.
+   killed mid-file resumes at the last checkpoint's row, its progressive record not redone;
+   the last rows of the order, fewer than a global batch, are carried to the next file.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from training.continuous.inbox import FileRecord, Ledger
 from training.continuous.poison import Guard
 from training.continuous.publish import from_rank0, on_rank0, publish, run_id
 from training.continuous.served import Outcomes
+from training.continuous.touched import Touched
 from training.data.loader import Arrays, Joined
 from training.errors import DataError, RecsysError
 from training.metrics import baseline
@@ -109,14 +110,15 @@ class Continuous:
         self.events = MetricsLog(self.run_dir / EVENTS, on0)
         for log in (self.loss_log, self.progressive, self.events):
             log.truncate_after(step)  # work a killed run did past its checkpoint is redone
-        # per-file scalars (progressive/*, rollout/*: step = the file's number) in a folder of
-        # their own, never purged: a file is scored once per run, and numbered for good
+        # per-file scalars (progressive/*, rollout/*: step = file number), never purged
         self.tb_files = Scalars(self.run_dir / "tb" / "files", enabled=on0)
         self.pipeline: Any = None
         self.last_metrics: dict[str, Any] = {}
         self.file_stats: dict[str, Any] = {}
         self.pass_end = 0.0  # when the last pass ended, checkpoint written (a delta's clock)
         self.guard, self.outcomes = Guard(self), Outcomes(self)  # quarantine; publish outcomes
+        on_d = rank == 0 and self.c.deltas  # the rows a delta compares (.touched)
+        self.touched = Touched(self.run_dir / "touched.npz", cfg.model.rows(), step, on_d)
 
     # -- files -----------------------------------------------------------------------------
 
@@ -250,6 +252,7 @@ class Continuous:
         cfg, g = self.cfg, self.cfg.train.batch_size
         head = carry.carried_in(self.run_dir, record, self.ledger.done, self.rank == 0)
         rows: Arrays | Joined = arrays if head is None else Joined(head, arrays)
+        self.touched.add(head, arrays)  # before the pass: a restart finds them (.touched)
         stream = carry.FileStream(
             rows, record.carried_in, global_batch=g, rank=self.rank, world_size=self.world,
             rows_per_table=cfg.model.rows(), seed=cfg.train.seed,
@@ -265,8 +268,7 @@ class Continuous:
         loop = make_loop(cfg, self.trainer, self.device, stream, self.progress, step0 + steps,
                          self.loss_log, self.show_bar)  # fmt: skip
         self.pipeline = loop.pipeline
-        kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "-1"))
-        start = row0
+        kill_at, start = int(os.environ.get(KILL_AT_STEP_ENV, "-1")), row0
         while self.progress.step < loop.total and loop.step():
             step = self.progress.step
             if step == kill_at and self.rank == self.world - 1:
@@ -305,7 +307,7 @@ class Continuous:
 
         def work() -> list[dict[str, Any]]:
             try:
-                return publish(self.cfg, self.run_dir, step, unseen, self.pass_end)
+                return publish(self.cfg, self.run_dir, step, unseen, self.pass_end, self.touched)
             except Exception as e:  # recorded; the loop goes on
                 return [{"event": "export", "ok": False, "step": step, "error": repr(e)}]
 

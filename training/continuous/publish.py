@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from training.checkpoint import store as checkpoint
 from training.continuous.config import ContinuousConfig
+from training.continuous.touched import Touched, chain_end
 from training.errors import ConfigError
 from training.export.archive import check_owner
 
@@ -265,11 +266,13 @@ def export(
 
 
 def publish(
-    cfg: ContinuousConfig, run_dir: Path, step: int, unseen: Path, pass_end: float = 0.0
-) -> list[dict[str, Any]]:
+    cfg: ContinuousConfig, run_dir: Path, step: int, unseen: Path, pass_end: float = 0.0,
+    touched: Touched | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Export step ``step`` of ``run_dir`` as version ``<step>`` (another when that name is
     another model's: module doc), ``unseen`` its rows never trained on, then roll it out if a
-    stack serves this model; returns the records (export, and rollout when one ran)."""
+    stack serves this model; returns the records (export, and rollout when one ran).
+    ``touched``: the rows trained since what serves, restarted at what this publish serves."""
     c = cfg.continuous
     name = f"dlrm-{cfg.name}"
     served_model, store = serving_stack(c.serve_dir) if c.rollout else (None, None)
@@ -279,7 +282,7 @@ def publish(
     if c.deltas and served_model == name and store is not None:
         from training.continuous.deltas import try_delta
 
-        delta = try_delta(cfg, run_dir, store, base, unseen, pass_end or time.time())
+        delta = try_delta(cfg, run_dir, store, base, unseen, pass_end or time.time(), touched)
         records += [delta] if delta else []
         if delta and not delta.get("fallback"):  # served, or refused by the evaluated gate
             return records
@@ -287,6 +290,9 @@ def publish(
     records.append(record)
     if not record["ok"]:
         return records
+    if touched is not None and store is not None:  # a delta's base from now on: this export
+        folder = Path(store).resolve() / "deltas" / name / str(record["version"])
+        touched.restart(chain_end(folder, []), step)
     version = str(record["version"])
     base = {**base, "version": version}
     if served_model is None:

@@ -43,7 +43,7 @@ from recsys_model.delta import (
     write_delta,
 )
 from recsys_model.mapped import layout, load_mapped, pack, row_bytes
-from training.checkpoint.rows import pread_into, read_metadata, table_rows
+from training.checkpoint.rows import pread_into, read_metadata, rows_at, table_rows
 from training.export.portable import EBC
 from training.export.scorer import CHECKPOINT_PREFIX
 from training.export.stream import dense_scorer, mapped_name
@@ -81,16 +81,23 @@ def differing_rows(new: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.flatnonzero(acc))
 
 
-def changed_rows(ckpt: Path, base: Any, record: dict[str, Any], ref: Parts) -> Parts:
+def changed_rows(
+    ckpt: Path, base: Any, record: dict[str, Any], ref: Parts,
+    touched: Sequence[np.ndarray] | None = None,
+) -> Parts:  # fmt: skip
     """Per section of ``base``'s mapped file (its tables' ``record``: one format, or each
     table's for ``mixed``): the ids and packed rows of ``ckpt``'s tables that differ from the
     file with ``ref`` over it. Read in blocks of rows into reused buffers (the checkpoint's
     rows by :func:`table_rows`, the base's by ``pread``): the tables are read once, no table
-    is ever whole in memory, and no fresh memory is faulted in per table."""
+    is ever whole in memory, and no fresh memory is faulted in per table. ``touched`` (each
+    table's sorted rows that may differ, a superset: what the passes since the served state
+    trained on): only those rows are read and compared (:func:`changed_among`)."""
     rows_of = [int(r) for r in base.spec["rows"]]
     formats = record.get("formats") or [record["format"]] * len(rows_of)
     local, sections, _ = layout(rows_of, base.dim, formats)
     meta = read_metadata(ckpt)
+    if touched is not None:
+        return changed_among(ckpt, base, formats, (local, sections), ref, touched, meta)
     found: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {
         f: ([], []) for f in sections
     }
@@ -116,12 +123,55 @@ def changed_rows(ckpt: Path, base: Any, record: dict[str, Any], ref: Parts) -> P
     return {f: (torch.cat(i), torch.cat(r)) for f, (i, r) in found.items()}
 
 
+def changed_among(
+    ckpt: Path, base: Any, formats: list[str], where: tuple[list[int], dict[str, Any]],
+    ref: Parts, touched: Sequence[np.ndarray], meta: Any,
+) -> Parts:  # fmt: skip
+    """:func:`changed_rows` on each table's ``touched`` rows only: the checkpoint's gathered
+    from its mapped storage (:func:`rows_at`), the served ones from the base's mapped file,
+    the chain's ``ref`` rows over them; a row no pass touched cannot differ from what serves."""
+    local, sections = where
+    if len(touched) != len(SPARSE_NAMES):
+        raise DeltaError(f"{len(touched)} tables' touched rows for {len(SPARSE_NAMES)} tables")
+    found: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {
+        f: ([], []) for f in sections
+    }
+    served = np.memmap(base.tables_path, np.uint8, mode="r")
+    for t, feature in enumerate(SPARSE_NAMES):
+        ids = np.asarray(touched[t], dtype=np.int64)
+        if not len(ids):
+            continue
+        fmt, width = formats[t], row_bytes(base.dim, formats[t])
+        key = f"{CHECKPOINT_PREFIX}{EBC}.{table_name(feature)}.weight"
+        new = pack(rows_at(ckpt, key, ids, meta), fmt)
+        at = local[t] + ids  # rows within the format's section
+        first, n = sections[fmt]
+        now = torch.from_numpy(served[first : first + n * width].reshape(n, width)[at])
+        ref_ids, ref_rows = ref.get(fmt) or (torch.empty(0, dtype=torch.int64), None)
+        if len(ref_ids):  # rows the chain already replaced: compare with those
+            assert ref_rows is not None
+            known = ref_ids.numpy()
+            pos = np.minimum(np.searchsorted(known, at), len(known) - 1)
+            hit = np.flatnonzero(known[pos] == at)
+            now[torch.from_numpy(hit)] = ref_rows[torch.from_numpy(pos[hit])]
+        changed = differing_rows(new, now)
+        found[fmt][0].append(torch.from_numpy(at)[changed])
+        found[fmt][1].append(new[changed])
+    del served
+    empty = torch.empty(0, dtype=torch.int64)
+    return {f: (torch.cat(i) if i else empty,
+                torch.cat(r) if r else torch.empty(0, row_bytes(base.dim, f), dtype=torch.uint8))
+            for f, (i, r) in found.items()}  # fmt: skip
+
+
 def make_delta(
-    ckpt: Path, model_cfg: Any, export: Path, folder: Path, version: str, fmt: str = "int8"
-) -> tuple[dict[str, Any], Any, Any]:
+    ckpt: Path, model_cfg: Any, export: Path, folder: Path, version: str, fmt: str = "int8",
+    touched: Sequence[np.ndarray] | None = None,
+) -> tuple[dict[str, Any], Any, Any]:  # fmt: skip
     """Write ``ckpt``'s delta over ``folder``'s chain on ``export``'s ``fmt`` tables (int8,
     int4 or mixed: the variant the workers serve); returns (its record: file, sha256, format,
-    bytes, rows, row_bytes, dense_bytes, seconds; the scorer serving now; the candidate's)."""
+    bytes, rows, row_bytes, dense_bytes, seconds; the scorer serving now; the candidate's).
+    ``touched``: :func:`changed_rows`' (None: every row compared)."""
     if fmt not in DELTA_FORMATS:
         raise DeltaError(f"deltas are made of {'/'.join(DELTA_FORMATS)} tables, not {fmt}")
     t0 = time.perf_counter()
@@ -136,7 +186,7 @@ def make_delta(
     record = torch.load(mapped, map_location="cpu", weights_only=True)["tables"]
     ref, ref_weights, parent = chain_state(folder)
     now = base if ref_weights is None else overlay(base, ref, ref_weights, parent)
-    parts = changed_rows(ckpt, base, record, ref)
+    parts = changed_rows(ckpt, base, record, ref, touched)
     scorer = dense_scorer(ckpt, model_cfg)
     weights = {k: v for k, v in scorer.state_dict().items() if k != "weight"}
     delta = {"base": base_v, "base_sha256": record["sha256"], "parent": parent,
