@@ -20,7 +20,8 @@ With ``--dwell-s`` > 0 the error gate then watches the gateway's counters of the
 version for that long: more than ``--max-error-ratio`` non-OK calls (or too few calls to tell,
 ``--error-min-requests``) and the chain goes back one delta. ``rollback`` drops the last delta
 (workers keep the last chains built: a swap, no I/O). Prints one JSON record (also on an error:
-``promoted`` false and the ``reason``).
+``promoted`` false and the ``reason``). ``lines``: one such command per stdin line, a record
+per stdout line (:func:`serve_lines`: the continuous loop's warm publisher).
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serving.tools.deltas", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("command", choices=("publish", "rollback"))
+    p.add_argument("command", choices=("publish", "rollback", "lines"))
     p.add_argument("--workdir", type=Path, default=WORKDIR, help="make serve's state folder")
     p.add_argument("--record", help="the delta's record (JSON, as training.export.delta prints)")
     p.add_argument("--timeout-s", type=float, default=60.0)
@@ -265,8 +266,25 @@ def outcome(argv: Sequence[str]) -> dict[str, Any]:
         return {"event": "delta", "promoted": False, "reason": f"error: {e}"}
 
 
+def serve_lines() -> int:
+    """``python -m serving.tools.deltas lines``: one command's arguments per stdin line (a
+    JSON list), its record printed as one line, until stdin closes. The continuous loop keeps
+    one such process warm (imports done) so a publish pays no interpreter start."""
+    for line in sys.stdin:
+        try:
+            argv = json.loads(line)
+        except ValueError as e:
+            print(json.dumps({"event": "delta", "promoted": False, "reason": f"error: {e}"}))
+            continue
+        print(json.dumps(outcome([str(a) for a in argv])), flush=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    out = outcome(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["lines"]:
+        return serve_lines()
+    out = outcome(argv)
     if str(out.get("reason", "")).startswith("error: "):
         print(out["reason"], file=sys.stderr)
     print(json.dumps(out))

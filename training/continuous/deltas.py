@@ -35,6 +35,8 @@ clock).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -121,12 +123,10 @@ def publish_delta(
         return {**record, "reason": f"delta not made: {e}", "fallback": FULL}
     record.update(rows=delta["rows"], bytes=delta["bytes"], gate=judged,
                   make_s=round(time.perf_counter() - t0, 2))  # fmt: skip
-    from serving.tools import deltas as publisher  # in this process: no cold start
-
-    out = publisher.outcome(["publish", "--workdir", str(c.serve_dir), "--record",
-                             json.dumps({**delta, "gate": judged}), "--dwell-s",
-                             str(c.delta_dwell_s), "--timeout-s", str(c.delta_timeout_s),
-                             "--rollout-args", json.dumps(list(c.rollout_args))])  # fmt: skip
+    out = PUBLISHER.call(["publish", "--workdir", str(c.serve_dir), "--record",
+                          json.dumps({**delta, "gate": judged}), "--dwell-s",
+                          str(c.delta_dwell_s), "--timeout-s", str(c.delta_timeout_s),
+                          "--rollout-args", json.dumps(list(c.rollout_args))])  # fmt: skip
     acked = float(out.get("acked_at") or time.time())  # the last worker's ack: it serves now
     record.update(promoted=bool(out.get("promoted")), served_s=out.get("served_s"),
                   workers=out.get("workers"), reason=out.get("reason"),
@@ -140,6 +140,53 @@ def publish_delta(
     if not record["promoted"] and out.get("refused") != "gate":
         record["fallback"] = FULL
     return record
+
+
+class Publisher:
+    """``python -m serving.tools.deltas lines``, started once and kept warm (serving's
+    imports done: the ~6 s a cold ``publish`` process cost at each delta); a command per
+    call. Its own process: training never imports serving (tests/test_structure.py). It ends
+    when the loop does (its stdin closes); one that died is started again at the next call."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, "-m", "serving.tools.deltas", "lines"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+    def call(self, argv: list[str]) -> dict[str, Any]:
+        """The record of ``serving.tools.deltas`` for ``argv`` (``reason`` on any failure)."""
+        for _ in range(2):  # a publisher that died meanwhile: once more, started afresh
+            self.start()
+            assert self.proc is not None and self.proc.stdin and self.proc.stdout
+            try:
+                self.proc.stdin.write(json.dumps(argv) + "\n")
+                self.proc.stdin.flush()
+                line = self.proc.stdout.readline()
+            except (OSError, ValueError):
+                line = ""
+            if line:
+                try:
+                    out: dict[str, Any] = json.loads(line)
+                    return out
+                except ValueError:
+                    return {"promoted": False, "reason": f"the publisher said {line[:300]!r}"}
+        code = self.proc.poll() if self.proc else None
+        return {"promoted": False, "reason": f"the publisher (serving.tools.deltas) exited {code}"}
+
+
+PUBLISHER = Publisher()
+
+
+def prepare(run_dir: Path, cfg: ContinuousConfig, step: int, rank: int) -> Touched:
+    """The loop's delta state on ``rank``: its :class:`Touched` rows, and (rank 0, deltas on)
+    the publisher started now, warm by the first publish."""
+    on = rank == 0 and cfg.continuous.deltas
+    if on:
+        PUBLISHER.start()
+    return Touched(run_dir / "touched.npz", cfg.model.rows(), step, on)
 
 
 def _remove(folder: Path, files: list[Path]) -> None:

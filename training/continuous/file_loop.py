@@ -45,7 +45,6 @@ from training.continuous.inbox import FileRecord, Ledger
 from training.continuous.poison import Guard
 from training.continuous.publish import from_rank0, on_rank0, publish, run_id
 from training.continuous.served import Outcomes
-from training.continuous.touched import Touched
 from training.data.loader import Arrays, Joined
 from training.errors import DataError, RecsysError
 from training.metrics import baseline
@@ -117,8 +116,7 @@ class Continuous:
         self.file_stats: dict[str, Any] = {}
         self.pass_end = 0.0  # when the last pass ended, checkpoint written (a delta's clock)
         self.guard, self.outcomes = Guard(self), Outcomes(self)  # quarantine; publish outcomes
-        on_d = rank == 0 and self.c.deltas  # the rows a delta compares (.touched)
-        self.touched = Touched(self.run_dir / "touched.npz", cfg.model.rows(), step, on_d)
+        self.touched = deltas.prepare(self.run_dir, cfg, step, rank)  # what a delta compares
 
     # -- files -----------------------------------------------------------------------------
 
