@@ -1,240 +1,229 @@
-"""``make bench-freshness``: end of a training pass -> every replica serving it, by delta and by
-full re-export, side by side in one run, at each ``--presets`` shape (issue 36).
+"""``make bench-freshness``: end of a training pass -> every worker serving it, measured through
+the continuous loop itself (issue 47), at each ``--presets`` shape.
 
-Per preset: train ``--steps`` steps (synthetic rows, one process), export version 1 and serve
-it on 2 TorchServe replicas x 2 workers behind the gateway (``loadtest.chaos``' cluster) under
-headless Locust (the chaos user: one record per call). Then train one more pass of ``--steps``
-steps; its end (the process exits with the checkpoint written) starts both clocks:
+Per preset: ``--passes`` + 2 synthetic days of ``--rows`` rows (ids drawn over the preset's own
+table sizes, so a pass touches as many rows as real traffic of that size would), drifting by
+``--drift`` a day. The loop (``torchrun -m training.continuous``, ``continuous.deltas=true``,
+a publish every file) takes days 0 and 1 with no stack: the model after day 0 is exported and
+becomes the served default. ``make serve``'s supervisor serves it (``--replicas`` TorchServe
+replicas x ``--workers`` workers behind the gateway) under headless Locust (the chaos run's
+user: one record per call). Then the other days arrive at once and the same loop command runs
+on: at each day it publishes the model before it as a delta over the served default, gated on
+that day's rows, then trains on it. Each delta's record in ``RUN/continuous.jsonl`` is the
+figure: ``freshness_s`` (the pass's end, checkpoint written -> the last worker's
+acknowledgement, by the worker's clock), its parts (``since_pass_s``: loading and scoring the
+day the gate judges on; ``make_s``: the delta, the gate's scoring; ``served_s``: pointer ->
+every ack), rows, bytes and the rows compared. Failed calls: Locust's calls that started
+during the loop and did not end OK.
 
-* **delta**: ``training.export.delta`` (the rows whose int8 bytes changed + dense; in a
-  process started before the pass, with torch imported, as the continuous loop makes it),
-  gated as the loop gates it: the candidate and what serves scored on rows neither trained
-  on (the last tenth of the data, inside the eval split), a lower AUC refuses it
-  and ``serving.tools.deltas``' move (pointer renamed in, every worker of both replicas
-  acknowledges). ``freshness_s``: end of pass -> the last acknowledgement;
-* **full**: ``python -m training.export`` of the same checkpoint as version 2 (``.mar``) and
-  its registration on both replicas until READY (TorchServe unpacks the archive at each).
-  ``freshness_s``: end of pass -> READY everywhere (the gateway's plan switch, ~1 s, not
-  included: the full path is measured to its cheapest end).
-
-Between the two, the delta is rolled back under the same load (the pointer back one delta;
-``served_s``: every worker serving N again) and moved forward again.
-
-Failed calls are the Locust calls of each window that did not end OK. ``max_abs_diff``: the
-replicas' replies after the delta against the full export of the same checkpoint scored in
-process. Writes ``--out``/freshness.json and prints the table.
+**The changed-ids check**: after the loop, the checkpoint the last delta was made of is
+exported in full (int8, ``python -m training.export``) and a batch whose every id hits a row
+that delta changed is scored by every replica (through TorchServe's own gRPC API, each worker
+likely) and in process by that full export: the largest |difference| is ``max_abs_diff``.
+Writes ``--out``/freshness.json and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from loadtest.chaos import LOCUSTFILE, ChaosConfig, Records, start_cluster
+from loadtest.chaos import LOCUSTFILE, Records
 from loadtest.chaos_report import LOG_ENV
 from loadtest.config import LoadConfig
-from loadtest.faults import stop_all
-from loadtest.locust_runner import run_locust
-from serving.gateway.config import GatewayConfig
-from serving.tools.deltas import judge, move
-from serving.torchserve import manage
-from serving.torchserve.client import inference_key, score
-from serving.worker.codec import decode_response, encode_request
+from loadtest.locust_runner import locust_env
 
 ROOT = Path(__file__).resolve().parents[1]
-# The delta maker with torch and the export imported, as in the continuous loop's own process
-# (which makes the delta after its pass): it reads its argv as one JSON line, then runs.
-WARM = ("import json, sys; import training.export.delta as d; "
-        "import training.checkpoint.store, training.config; "
-        "sys.exit(d.main(json.loads(sys.stdin.readline())))")  # fmt: skip
-LOAD_S = {"tiny": 150, "demo": 200, "criteo-kaggle": 600}  # Locust's run, spanning both paths
+VENV_BIN = Path(sys.executable).parent
+PASS_ROWS = {"tiny": 20_000, "demo": 65_536, "criteo-kaggle": 196_608}  # 8 / 24 steps
+TIMEOUT_S = {"tiny": 600, "demo": 1200, "criteo-kaggle": 3600}
 
 
-def py(args: list[str], log: Path) -> tuple[float, str]:
-    """``python -m args`` -> (seconds, stdout); raises naming the log on failure."""
-    t0 = time.perf_counter()
+def py(args: list[str], log: Path, env: dict[str, str] | None = None, tool: str = "") -> str:
+    """``python -m args`` (or ``tool`` from the venv) -> stdout; raises naming the log."""
+    cmd = [str(VENV_BIN / tool)] if tool else [sys.executable, "-m"]
     with log.open("a") as err:
-        proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=err, text=True)  # fmt: skip
+        proc = subprocess.run([*cmd, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
+                              text=True, env={**os.environ, **(env or {})})  # fmt: skip
     if proc.returncode:
-        raise RuntimeError(f"python -m {' '.join(args[:1])} exited {proc.returncode}: see {log}")
-    return time.perf_counter() - t0, proc.stdout
+        raise RuntimeError(f"{' '.join([*cmd, *args][:4])} exited {proc.returncode}: see {log}")
+    return proc.stdout
 
 
-def train(preset: str, run: Path, work: Path, steps: int, first: bool) -> float:
-    data = [f'data.cache_dir="{work / "cache"}"', f'data.synthetic_dir="{work / "syn"}"',
-            "data.synthetic_rows=60000", "train.batch_size=1024"]  # fmt: skip
-    return py(["training.train", "--config", f"training/configs/{preset}.toml", "--run-dir",
-               str(run), "--no-progress", "--resume", "none" if first else "auto",
-               f"train.max_steps={steps}", *data], work / "train.log")[0]  # fmt: skip
+def table_sizes(preset: str) -> list[int]:
+    from training.config import load_config
+
+    return [int(r) for r in load_config(ROOT / f"training/configs/{preset}.toml").model.rows()]
 
 
-def export(run: Path, store: Path, version: str, work: Path) -> float:
-    return py(["training.export", "--run-dir", str(run), "--no-progress", "--model-store",
-               str(store), "--version", version, "--parity-rows", "2000", "--overwrite"],
-              work / "export.log")[0]  # fmt: skip
+def loop(preset: str, work: Path, extra: list[str], log: Path, env: dict[str, str]) -> None:
+    """The continuous loop over ``work/inbox`` until no file is left (``make continuous``)."""
+    py(["--standalone", "--nproc_per_node=1", "-m", "training.continuous", "--config",
+        f"training/configs/{preset}.toml", "--run-dir", str(work / "run"), "--data-dir",
+        str(work / "inbox"), "--no-progress", "continuous.export_every=1",
+        "continuous.deltas=true", "train.keep_last=3", f'data.cache_dir="{work / "cache"}"',
+        f'continuous.model_store="{work / "store"}"', f'continuous.serve_dir="{work / "serve"}"',
+        'continuous.export_args=["--parity-rows", "2000"]', *extra], log,
+       {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env}, tool="torchrun")  # fmt: skip
 
 
-def unseen_rows(data: Path, run: Path, out: Path) -> Path:
-    """The last tenth of ``data``'s rows (inside the eval split the runs never train on) as
-    ``out``, parsed into the run's cache now: the loop's gate reads the arriving file that its
-    progressive validation parsed before the pass (training/continuous/deltas.py)."""
-    from training.checkpoint import store as checkpoint
-    from training.config import config_from_dict
-    from training.export.delta import unseen_arrays
-
-    lines = data.read_text().splitlines(keepends=True)
-    out.write_text("".join(lines[-(len(lines) // 10) :]))
-    ckpt = checkpoint.read_latest(run / "checkpoints")
-    assert ckpt is not None, run
-    unseen_arrays(out, config_from_dict(checkpoint.read_meta(ckpt)["config"]), 0)
-    return out
+def move_days(days: Path, inbox: Path, names: list[str]) -> None:
+    inbox.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        for suffix in (".tsv", ".prob.npy"):
+            shutil.copy(days / f"{n}{suffix}", inbox / f"{n}{suffix}.part")
+            os.replace(inbox / f"{n}{suffix}.part", inbox / f"{n}{suffix}")
 
 
-def failed(records: Records, t0: float, t1: float) -> tuple[int, int]:
-    """(calls, failed calls) of Locust's records that started in [t0, t1]."""
-    calls = [c for c in records.poll() if t0 <= c.start <= t1]
-    return len(calls), sum(c.code != "OK" for c in calls)
-
-
-def replies(cluster: Any, body: bytes, model: tuple[str, str]) -> list[np.ndarray]:
-    import grpc
-
-    out = []
-    for r in cluster.replicas:
-        with grpc.insecure_channel(r.cfg.grpc_inference_target) as ch:
-            for _ in range(4):  # each worker, likely
-                got = score(ch, model, body, 30, inference_key(r.cfg.key_file))
-                out.append(decode_response(got))
-    return out
+def start_locust(
+    target: str, data: Path, users: int, out: Path, stack: dict[str, str]
+) -> subprocess.Popen[bytes]:
+    """Headless Locust (the chaos user: a record per call in ``out/requests``) until stopped;
+    ``stack``: the stack's state folder (its gateway token) in ``RECSYS_SERVE_DIR``."""
+    (out / "requests").mkdir(parents=True, exist_ok=True)
+    cfg = LoadConfig(host=target, users=users, spawn_rate=float(users), data=data, examples=100)
+    env = {**locust_env(cfg, target), **stack, LOG_ENV: str(out / "requests")}
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", target,
+           "-u", str(users), "-r", str(users), "-t", "24h", "--only-summary",
+           "--stop-timeout", "2", "--exit-code-on-error", "0", "--loglevel", "WARNING"]  # fmt: skip
+    with (out / "locust.log").open("a") as log:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log)
 
 
 def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
-    work = a.work / preset
+    from recsys_stack.net import free_ports
+
+    work, out = a.work / preset, a.out / preset
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    run, store, base = work / "run", work / "store", work / "base"
-    train(preset, run, work, a.steps, first=True)
-    export(run, store, "1", work)
-    shutil.copytree(run / "export", base)
-    schema = json.loads((base / "schema.json").read_text())
-    model = schema["model"]["name"]
-    data = next((work / "syn").glob("*.tsv"))
-    gate = unseen_rows(data, run, work / "gate.tsv")
-    cfg = ChaosConfig(model_store=store, workers=2, data=data, users=a.users,
-                      gateway=GatewayConfig(schema=base / "schema.json"))  # fmt: skip
-    out = a.out / preset
-    (out / "requests").mkdir(parents=True, exist_ok=True)
-    cluster = start_cluster(cfg, out)
-    result: dict[str, Any] = {"preset": preset}
+    out.mkdir(parents=True, exist_ok=True)
+    log, rows = work / "bench.log", a.rows or PASS_ROWS[preset]
+    sizes = table_sizes(preset)
+    py(["training.data.synthetic", "--days", str(a.passes + 2), "--rows", str(rows), "--drift",
+        str(a.drift), "--vocab", *map(str, sizes), "--out", str(work / "days"), "--no-progress"],
+       log)  # fmt: skip
+    move_days(work / "days", work / "inbox", ["day_0", "day_1"])
+    loop(preset, work, ["continuous.rollout=false"], log, {})
+    schema = work / "run" / "export" / "schema.json"
+    env = {"RECSYS_SERVE_DIR": str(work / "serve"), "RECSYS_MODEL_STORE": str(work / "store")}
+    p = free_ports(7)
+    names = ("inference", "management", "metrics", "grpc-inference", "grpc-management")
+    py(["serving.tools.supervisor", "start", "--gateway.schema", str(schema), "--replicas",
+        str(a.replicas), "--torchserve.workers", str(a.workers), "--gateway.port", str(p[5]),
+        "--gateway.metrics.port", str(p[6]), "--timeout-s=600",
+        *(x for k, v in zip(names, p[:5], strict=True) for x in (f"--torchserve.{k}-port", str(v)))],
+       log, env)  # fmt: skip
+    result: dict[str, Any] = {"preset": preset, "rows_per_pass": rows, "tables_rows": sum(sizes),
+                              "replicas": a.replicas, "workers": a.workers}  # fmt: skip
+    locust = None
     try:
-        load = LoadConfig(host=cluster.target, users=a.users, spawn_rate=float(a.users),
-                          duration=f"{LOAD_S[preset]}s", data=data, examples=100)  # fmt: skip
-        locust = threading.Thread(target=run_locust, daemon=True, args=(
-            load, cluster.target, a.users, load.duration, out / "locust", float(a.users)),
-            kwargs={"locustfile": LOCUSTFILE, "env": {LOG_ENV: str(out / "requests")}})  # fmt: skip
-        locust.start()
+        locust = start_locust(f"127.0.0.1:{p[5]}", work / "days" / "day_0.tsv", a.users, out, env)
         records = Records(out / "requests")
-        while not records.poll():
-            time.sleep(0.2)
-        with (work / "delta.log").open("a") as log:
-            maker = subprocess.Popen([sys.executable, "-c", WARM], cwd=ROOT, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)  # fmt: skip
-        result["train_pass_s"] = round(train(preset, run, work, 2 * a.steps, first=False), 1)
-        t_end = time.time()
-        folder = store.resolve() / "deltas" / model / "1"
-        args = ["--run-dir", str(run), "--base", str(base), "--deltas", str(folder),
-                "--version", str(2 * a.steps), "--unseen-data", str(gate), "--eval-rows", "0"]  # fmt: skip
-        assert maker.stdin is not None and maker.stdout is not None
-        maker.stdin.write(json.dumps(args) + "\n")
-        maker.stdin.flush()
-        printed = maker.stdout.readline()  # its record, printed before the process ends
-        made = time.time()
-        if not printed:
-            raise RuntimeError(f"training.export.delta exited {maker.wait(900)}: see {work}")
-        record = json.loads(printed)
-        record["gate"] = judge(Path(record["gate"]["judge"]), [])  # the rollout's rules
-        if not record["gate"]["passed"]:
-            raise RuntimeError(f"the evaluated gate refused the delta: {record['gate']}")
-        entry = {k: v for k, v in record.items() if k != "gate"}
-        maker.wait(timeout=900)
-        pids = [int(w["pid"]) for r in cluster.replicas
-                for m in manage.describe(r.cfg, model, "1") or [] for w in m["workers"]]  # fmt: skip
-        moved = move(folder, lambda _: [entry], pids, 120)
-        t_served = time.time()
-        calls, bad = failed(records, t_end, t_served)
-        result["delta"] = {"rows": record["rows"], "bytes": record["bytes"],
-                           "row_bytes": record["row_bytes"],
-                           "dense_bytes": record["dense_bytes"], "make_s": round(made - t_end, 2),
-                           "inside_s": record["seconds"], "served_s": moved["served_s"],
-                           "freshness_s": round(t_served - t_end, 2), "calls": calls,
-                           "failed": bad, "workers": len(pids), "gate": record["gate"]}  # fmt: skip
-        rng = np.random.default_rng(0)
-        feats = len(schema["features"]["sparse"])
-        b = 256
-        batch = (rng.normal(size=(b, len(schema["features"]["dense"]))).astype(np.float32),
-                 rng.integers(0, 10**7, feats * b), np.ones((feats, b), np.int32))  # fmt: skip
-        after = replies(cluster, encode_request(*batch), (model, "1"))
-        t_back = time.time()  # rollback to N under the same load: the pointer back one delta
-        back = move(folder, lambda _: [], pids, 120)
-        calls, bad = failed(records, t_back, time.time())
-        result["rollback"] = {"served_s": back["served_s"], "calls": calls, "failed": bad}
-        move(folder, lambda _: [entry], pids, 120)  # forward again: the full path starts at N+1
-        t_full = time.time()
-        export_s = export(run, store, "2", work)
-        for r in cluster.replicas:
-            manage.register(r.cfg, model, "2", f"{model}-2.mar", 600)
-        for r in cluster.replicas:
-            manage.wait_ready(r.cfg, model, "2", 600)
-        t_ready = time.time()
-        calls, bad = failed(records, t_full, t_ready)
-        result["full"] = {"export_s": round(export_s, 1), "register_s": round(t_ready - t_full - export_s, 1),
-                          "bytes": (store / f"{model}-2.mar").stat().st_size,
-                          "freshness_s": round(t_ready - t_full, 1), "calls": calls, "failed": bad}  # fmt: skip
-        result["max_abs_diff"] = max_diff(run / "export", batch, after)
-        locust.join()
-        result["load_calls"], result["load_failed"] = failed(records, 0, time.time())
+        end = time.monotonic() + 120
+        while not records.poll() and time.monotonic() < end:
+            time.sleep(0.5)
+        t0 = time.time()
+        move_days(work / "days", work / "inbox", [f"day_{d}" for d in range(2, a.passes + 2)])
+        loop(preset, work, [], log, env)
+        t1 = time.time()
+        calls = [c for c in records.poll() if t0 <= c.start <= t1]
+        result["calls"], result["failed"] = len(calls), sum(c.code != "OK" for c in calls)
+        events = [json.loads(x) for x in (work / "run" / "continuous.jsonl").open()]
+        result["deltas"] = [{k: e.get(k) for k in ("version", "promoted", "freshness_s",
+                             "since_pass_s", "make_s", "publish_s", "found_s", "judged_s", "served_s", "rows", "compared", "bytes",
+                             "workers", "reason", "fallback")}
+                            for e in events if e["event"] == "delta"]  # fmt: skip
+        result["exports"] = sum(e["event"] == "export" for e in events)
+        result["max_abs_diff"], result["checked_rows"] = changed_ids_check(work, env, p[3], log)
     finally:
-        stop_all(cluster)
+        if locust is not None:
+            locust.send_signal(signal.SIGINT)
+            locust.wait(30)
+        py(["serving.tools.supervisor", "stop"], log, env)
+    fresh = [d["freshness_s"] for d in result["deltas"] if d["promoted"]]
+    result["freshness_p50_s"] = statistics.median(fresh) if fresh else None
+    result["freshness_max_s"] = max(fresh) if fresh else None
     return result
 
 
-def max_diff(export_dir: Path, batch: tuple[np.ndarray, ...], after: list[np.ndarray]) -> float:
-    """Largest |reply - the full export's in-process score| over the replies."""
+def changed_ids_check(
+    work: Path, env: dict[str, str], grpc_port: int, log: Path
+) -> tuple[float, int]:
+    """Module doc: every replica's scores against the full export of the last delta's
+    checkpoint, on ids that delta changed."""
+    import grpc
     import torch
 
-    from recsys_model.mapped import load_mapped
+    from recsys_model.delta import read_pointer
+    from recsys_model.mapped import layout, load_mapped
+    from serving.tools.served import Stack
+    from serving.torchserve.client import inference_key, score
+    from serving.worker.codec import decode_response, encode_request
 
-    full = load_mapped(export_dir / "mapped_int8.pt", torch.device("cpu"))
+    schema = json.loads((work / "run" / "export" / "schema.json").read_text())
+    model, version = schema["model"]["name"], str(schema["model"]["version"])
+    folder = (work / "store").resolve() / "deltas" / model / version
+    last = read_pointer(folder)["chain"][-1]
+    delta = torch.load(folder / last["file"], weights_only=True)
+    full = work / "run" / "export"  # the loop is done: its export folder is free
+    py(["training.export", "--run-dir", str(work / "run"), "--checkpoint", delta["checkpoint"],
+        "--model-store", str(work / "full-store"), "--version", "check", "--formats", '["int8"]',
+        "--parity-rows", "2000", "--no-progress", "--no-archive"], log)  # fmt: skip
+    scorer = load_mapped(full / "mapped_int8.pt", torch.device("cpu"))
+    sizes = [int(r) for r in scorer.spec["rows"]]
+    local, _, _ = layout(sizes, scorer.dim, ["int8"] * len(sizes))
+    ids = delta["ids"].numpy()
+    rng, b = np.random.default_rng(0), 256
+    values = []
+    for t, n in enumerate(sizes):  # each feature's id: a row this delta changed in its table
+        mine = ids[(ids >= local[t]) & (ids < local[t] + n)] - local[t]
+        values.append(rng.choice(mine, b) if len(mine) else rng.integers(0, n, b))
+    dense = rng.normal(size=(b, int(scorer.spec["num_dense"]))).astype(np.float32)
+    batch = (dense, np.concatenate(values), np.ones((len(sizes), b), np.int32))
     with torch.inference_mode():
-        want = full(*(torch.from_numpy(x) for x in batch)).numpy()
-    return float(max(np.abs(got - want).max() for got in after))
+        want = scorer(*(torch.from_numpy(x) for x in batch)).numpy()
+    from serving.gateway.config import ChannelConfig
+
+    stack = Stack.find(ChannelConfig(), Path(env["RECSYS_SERVE_DIR"]))
+    worst, body = 0.0, encode_request(*batch)
+    for ts in stack.replicas:
+        with grpc.insecure_channel(ts.grpc_inference_target) as ch:
+            for _ in range(8):  # each worker, likely
+                got = decode_response(
+                    score(ch, (model, version), body, 30, inference_key(ts.key_file))
+                )
+                worst = max(worst, float(np.abs(got - want).max()))
+    return worst, b
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    head = "| shape | path | rows | bytes | freshness_s | failed calls | max abs diff |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = ("| shape | pass rows | deltas promoted | freshness p50 / max s | since pass / make / "
+            "served s (p50) | rows (p50) | bytes (p50) | compared (p50) | failed calls | "
+            "max abs diff (changed ids) |")  # fmt: skip
+    lines = [head, "|" + "---|" * 10]
     for r in results:
-        d, f, b = r["delta"], r["full"], r["rollback"]
-        floor = d["rows"] * d["row_bytes"] + d["dense_bytes"]  # rows x row bytes + dense
-        lines.append(f"| {r['preset']} | delta | {d['rows']:,} | {d['bytes']:,} "
-                     f"({d['bytes'] / floor:.2f}x rows x row bytes + dense) | "
-                     f"{d['freshness_s']} (make {d['make_s']}, serve {d['served_s']}) | "
-                     f"{d['failed']} of {d['calls']} | {r['max_abs_diff']:.2g} |")  # fmt: skip
-        lines.append(f"| {r['preset']} | rollback to N | - | - | {b['served_s']} (serve) | "
-                     f"{b['failed']} of {b['calls']} | - |")  # fmt: skip
-        lines.append(f"| {r['preset']} | full re-export | all | {f['bytes']:,} (.mar) | "
-                     f"{f['freshness_s']} (export {f['export_s']}, register {f['register_s']}) | "
-                     f"{f['failed']} of {f['calls']} | - |")  # fmt: skip
+        ok = [d for d in r["deltas"] if d["promoted"]]
+
+        def med(k: str, ds: list[dict[str, Any]] = ok) -> Any:
+            xs = [d[k] for d in ds if isinstance(d.get(k), int | float)]
+            return statistics.median(xs) if xs else "-"
+
+        lines.append(f"| {r['preset']} | {r['rows_per_pass']:,} | {len(ok)} of {len(r['deltas'])} | "
+                     f"{r['freshness_p50_s']} / {r['freshness_max_s']} | {med('since_pass_s')} / "
+                     f"{med('make_s')} / {med('served_s')} | {med('rows'):,} | {med('bytes'):,} | "
+                     f"{med('compared'):,} | {r['failed']} of {r['calls']:,} | "
+                     f"{r['max_abs_diff']:.2g} ({r['checked_rows']} rows) |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -242,8 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.freshness", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--presets", nargs="+", default=["demo", "criteo-kaggle"])
-    p.add_argument("--steps", type=int, default=20, help="steps of each training pass")
+    p.add_argument("--passes", type=int, default=5, help="deltas measured (one a pass)")
+    p.add_argument("--rows", type=int, default=0, help="rows a day (0: 24 steps of the preset)")
+    p.add_argument("--drift", type=float, default=0.05)
     p.add_argument("--users", type=int, default=4)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="TorchServe workers a replica")
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-freshness"))
     p.add_argument("--out", type=Path, default=Path("reports/bench-freshness"))
     a = p.parse_args(argv)

@@ -198,9 +198,11 @@ def error_gate(gw: Gateway, version: str, a: argparse.Namespace) -> str | None:
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
     stack = Stack.find(ChannelConfig(), a.workdir)
     folder, model, version = deltas_folder(stack)
     pids = worker_pids(stack, model, version)
+    found_s = round(time.perf_counter() - t0, 3)  # the stack and its workers
     if a.command == "rollback":
 
         def drop(chain: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -212,7 +214,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     entry = json.loads(a.record) if a.record else None
     if entry is None:
         raise RolloutError("publish needs --record (the JSON training.export.delta printed)")
-    out: dict[str, Any] = {"event": "delta", "base": version, "version": entry["version"]}
+    out: dict[str, Any] = {"event": "delta", "base": version, "version": entry["version"],
+                           "found_s": found_s}  # fmt: skip
     judged = entry.pop("gate", None)
     if judged and judged.get("judge"):
         out["gate"] = judge(Path(judged["judge"]), json.loads(a.rollout_args))
@@ -221,6 +224,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                        reason=f"evaluated gate: {out['gate']['verdict']}")  # fmt: skip
             return out
     check_workers(folder, pids, entry.get("format"))
+    out["judged_s"] = round(time.perf_counter() - t0 - found_s, 3)  # the gate, the acks
     out.update(move(folder, append(entry), pids, a.timeout_s))
     if a.dwell_s > 0:
         gw = Gateway(stack)

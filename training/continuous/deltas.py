@@ -104,7 +104,8 @@ def publish_delta(
     for ``fmt`` tables; the record (module doc)."""
     c = cfg.continuous
     record: dict[str, Any] = {**base, "event": "delta", "base": folder.name, "format": fmt,
-                              "promoted": False}  # fmt: skip
+                              "promoted": False,  # since_pass_s: the next file's load + scoring
+                              "since_pass_s": round(time.time() - pass_end, 2)}  # fmt: skip
     t0 = time.perf_counter()
     made: list[Path] = []
     try:  # in this process (torch imported): the import is no part of the freshness
@@ -123,11 +124,14 @@ def publish_delta(
         return {**record, "reason": f"delta not made: {e}", "fallback": FULL}
     record.update(rows=delta["rows"], bytes=delta["bytes"], gate=judged,
                   make_s=round(time.perf_counter() - t0, 2))  # fmt: skip
+    t1 = time.perf_counter()
     out = PUBLISHER.call(["publish", "--workdir", str(c.serve_dir), "--record",
                           json.dumps({**delta, "gate": judged}), "--dwell-s",
                           str(c.delta_dwell_s), "--timeout-s", str(c.delta_timeout_s),
                           "--rollout-args", json.dumps(list(c.rollout_args))])  # fmt: skip
     acked = float(out.get("acked_at") or time.time())  # the last worker's ack: it serves now
+    record.update(publish_s=round(time.perf_counter() - t1, 2),
+                  **{k: out[k] for k in ("found_s", "judged_s") if k in out})  # fmt: skip
     record.update(promoted=bool(out.get("promoted")), served_s=out.get("served_s"),
                   workers=out.get("workers"), reason=out.get("reason"),
                   freshness_s=round(acked - pass_end, 2))  # fmt: skip
