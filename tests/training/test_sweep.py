@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 import sys
 import textwrap
 import threading
@@ -90,6 +91,16 @@ def test_the_time_budget_and_an_interrupt_stop_a_running_trial(tmp_path: Path) -
         runner.run(_writer(tmp_path / "b" / "metrics.jsonl", 1, 0), tmp_path / "b", 1, _watch(stop))
 
 
+def test_evaluations_are_reported_on_the_presets_grid_whatever_the_batch(tmp_path: Path) -> None:
+    """A trial at another batch size evaluates near, not at, the preset's rows seen: the pruner
+    gets the nearest of the preset's evaluations (100, 200, 300 rows on a grid of 150)."""
+    watch = _watch(threading.Event(), deadline=time.monotonic() + 3)
+    watch.grid = 150
+    with pytest.raises(runner.Pruned, match="time budget"):
+        runner.run(_writer(tmp_path / "metrics.jsonl", 3, 0), tmp_path, 1, watch)
+    assert watch.reported == {1, 2}
+
+
 def test_a_failed_run_names_its_error_line(tmp_path: Path) -> None:
     code = "import sys; print('error: data.path = x: no such file', file=sys.stderr); sys.exit(2)"
     with pytest.raises(runner.Failed, match=r"error: data.path = x: no such file \(exit 2"):
@@ -141,6 +152,31 @@ def test_training_overrides_go_to_the_trials_and_the_rest_to_the_sweep() -> None
     assert (args.config.trials, args.config.parallel, args.config.space.max_epochs) == (5, 2, 4)
     assert args.train_overrides == ["train.epochs=2", 'data.path="/x.tsv"']
     assert args.base.train.epochs == 2 and args.out == Path("runs/sweep-tiny")
+
+
+def test_help_answers_without_torch_and_bad_keys_are_one_line() -> None:
+    code = (
+        "import sys\nfrom training.sweep.__main__ import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "print('torch' if 'torch' in sys.modules else 'torch-free')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.stdout.rstrip().endswith("torch-free"), proc.stderr[-2000:]
+    assert (
+        "--trials" in proc.stdout and "--storage" in proc.stdout and "space.params" in proc.stdout
+    )
+    for argv, said in [
+        (["trialz=3"], "unknown key 'trialz' (did you mean 'trials'?)"),
+        (["train.epochz=3"], "unknown key 'train.epochz' (did you mean 'train.epochs'?)"),
+        (["--preset", "nope"], "preset = nope: no training/configs/nope.toml"),
+        (["space.size_factors=[0, 1]"], "space.size_factors = [0.0, 1.0]: must be positive"),
+    ]:
+        proc = subprocess.run([sys.executable, "-m", "training.sweep", *argv], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith("error: ") and said in lines[0], lines[0]
 
 
 def _sweep(out: Path, trials: int, data_dirs: list[str]) -> str:

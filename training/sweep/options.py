@@ -77,6 +77,9 @@ class SweepConfig:
     before it at the same rows seen (median), or Hyperband's successive halving."""
     prune_startup_trials: int = 3
     """Trials that run to their end before the median pruner stops any."""
+    prune_warmup_evals: int = 1
+    """Evaluations of a trial before the median pruner may stop it (the first ones are noisy,
+    and a slow starter may still win)."""
     include_default: bool = True
     """The first trial of a new study trains the preset as it is, so the report says what the
     search gained over it."""
@@ -105,6 +108,7 @@ class SweepConfig:
             ("threads_per_trial", self.threads_per_trial >= 1, ">= 1"),
             ("poll_s", self.poll_s > 0, "> 0"),
             ("max_failures", self.max_failures >= 1, ">= 1"),
+            ("prune_warmup_evals", self.prune_warmup_evals >= 0, ">= 0"),
             ("space.lr_factor", self.space.lr_factor >= 1, ">= 1"),
             ("space.max_epochs", self.space.max_epochs >= 1, ">= 1"),
             ("space.size_factors", min(self.space.size_factors, default=0) > 0, "positive"),

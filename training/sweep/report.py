@@ -30,8 +30,7 @@ def rows(study: Any) -> list[dict[str, Any]]:
         a = t.user_attrs
         value = a.get("value")
         if value is None and t.intermediate_values:  # pruned: its last evaluation
-            step = max(t.intermediate_values)
-            value = {"auc": t.intermediate_values[step], "samples_seen": step}
+            value = {"auc": t.intermediate_values[max(t.intermediate_values)]}
         note = a.get("pruned") or a.get("failed") or ""
         if t.state.name == "FAIL" and "failed" not in a:
             note = "interrupted (not counted)"
@@ -80,9 +79,9 @@ def markdown(args: SweepArgs, table: list[dict[str, Any]], lines: list[str]) -> 
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
         v = r["value"] or {}
-        rows_seen = v.get("eval_rows") or (f"at {v['samples_seen']:,} seen" if v else "")
+        rows_seen = f"{v['eval_rows']:,}" if v.get("eval_rows") else ""
         cells = [f"{r['number']}{' (preset)' if r['default'] else ''}", r["state"],
-                 fmt_auc(r["value"]), f"{rows_seen:,}" if isinstance(rows_seen, int) else rows_seen,
+                 fmt_auc(r["value"]), rows_seen,
                  *(_param(r["params"][n]) if n in r["params"] else "" for n in names),
                  "" if r["seconds"] is None else f"{r['seconds']:.0f}",
                  r["note"].replace("|", "/")]  # fmt: skip

@@ -82,12 +82,21 @@ def open_study(args: SweepArgs) -> Any:
 def _pruner(args: SweepArgs) -> Any:
     import optuna
 
-    kind, t = args.config.pruner, args.base.train
-    if kind == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=args.config.prune_startup_trials)
-    if kind == "hyperband":  # resources in rows seen: the first rung at the first evaluation
-        return optuna.pruners.HyperbandPruner(min_resource=max(1, t.eval_every * t.batch_size))
+    cfg = args.config
+    if cfg.pruner == "median":  # steps are evaluations (eval_grid): warm-up counted in them
+        return optuna.pruners.MedianPruner(
+            n_startup_trials=cfg.prune_startup_trials, n_warmup_steps=cfg.prune_warmup_evals + 1
+        )
+    if cfg.pruner == "hyperband":  # resources in evaluations: the first rung at the first
+        return optuna.pruners.HyperbandPruner(min_resource=1)
     return optuna.pruners.NopPruner()
+
+
+def eval_grid(args: SweepArgs) -> int:
+    """Training rows between two of the preset's evaluations (0: it evaluates only at the
+    end): a trial's evaluations are reported to the pruner as steps of this grid."""
+    t = args.base.train
+    return t.eval_every * t.batch_size
 
 
 def counted(study: Any) -> int:
@@ -194,7 +203,7 @@ class Sweep:
             watch = runner.Watch(
                 report=trial.report, should_prune=trial.should_prune, stop=self.stop,
                 heartbeat=lambda: trial.set_user_attr("alive", time.time()),
-                deadline=self.deadline, poll_s=self.cfg.poll_s,
+                deadline=self.deadline, poll_s=self.cfg.poll_s, grid=eval_grid(a),
             )  # fmt: skip
             cmd = runner.command(a.config.preset_path(), run_dir, ovr)
             records = runner.run(cmd, run_dir, self.cfg.threads_per_trial, watch)

@@ -82,6 +82,7 @@ class Watch:
     heartbeat: Callable[[], None]
     stop: threading.Event
     deadline: float = 0.0  # time.monotonic() after which the trial is cut (0: none)
+    grid: int = 0  # rows seen between the preset's evaluations: steps are evaluations (0: rows)
     poll_s: float = 1.0
     heartbeat_s: float = 30.0
     reported: set[int] = field(default_factory=set)
@@ -109,7 +110,9 @@ def command(preset: Path, run_dir: Path, overrides: list[str]) -> list[str]:
 
 def run(cmd: list[str], run_dir: Path, threads: int, watch: Watch) -> list[dict[str, Any]]:
     """Run ``cmd`` (writing ``run_dir/metrics.jsonl``), reporting each new validation AUC to
-    ``watch``; its records when it exits 0. Raises :class:`Pruned`, :class:`Interrupted` or
+    ``watch`` (at the nearest of the preset's evaluations when ``watch.grid``: a batch size
+    that does not divide the preset's evaluation interval lands near it, not beside it); its
+    records when it exits 0. Raises :class:`Pruned`, :class:`Interrupted` or
     :class:`Failed`, with the child ended first."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -131,13 +134,14 @@ def _watch(
         rc = proc.poll()  # before the read: records written before the exit are all seen
         records = read_records(metrics)
         for r in valid_records(records):
-            step = int(r.get("samples_seen", r.get("step", 0)))
+            seen = int(r.get("samples_seen", r.get("step", 0)))
+            step = max(1, round(seen / watch.grid)) if watch.grid else seen
             if step in watch.reported:
                 continue
             watch.reported.add(step)
             watch.report(float(r["auc"]), step)
             if rc is None and watch.should_prune():
-                raise Pruned(f"pruned at {step:,} rows seen (validation AUC {r['auc']:.4f})")
+                raise Pruned(f"pruned at {seen:,} rows seen (validation AUC {r['auc']:.4f})")
         if rc is not None:
             break
         if watch.stop.is_set():
