@@ -29,7 +29,7 @@ from training.metrics.log import read_metrics
 from training.sweep import best, space
 from training.sweep import trial as runner
 from training.sweep.options import SpaceConfig, parse_args
-from training.sweep.study import counted
+from training.sweep.study import counted, needs_default
 
 SMALL = ["data.synthetic_rows=4000", "train.max_steps=12", "train.eval_every=6"]
 
@@ -144,6 +144,15 @@ def test_the_budget_leaves_out_interrupted_trials() -> None:
     study.tell(interrupted, state=optuna.trial.TrialState.FAIL)
     study.ask()  # running
     assert counted(study) == 3
+
+
+def test_an_interrupted_preset_trial_is_enqueued_again() -> None:
+    study = optuna.create_study(direction="maximize")
+    assert needs_default(study)
+    study.enqueue_trial({"x": 1.0}, user_attrs={"default": True})
+    assert not needs_default(study)  # waiting
+    study.tell(study.ask(), state=optuna.trial.TrialState.FAIL)  # interrupted: not counted
+    assert needs_default(study)
 
 
 def test_training_overrides_go_to_the_trials_and_the_rest_to_the_sweep() -> None:

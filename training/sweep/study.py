@@ -110,6 +110,18 @@ def counted(study: Any) -> int:
     )
 
 
+def needs_default(study: Any) -> bool:
+    """Whether the study lacks the preset's own trial: none yet, or only interrupted ones (a
+    sweep stopped during its first trials redoes it)."""
+    from optuna.trial import TrialState
+
+    kept = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
+    return not any(
+        t.user_attrs.get("default") and (t.state in kept or "failed" in t.user_attrs)
+        for t in study.get_trials(deepcopy=False)
+    )
+
+
 def fail_stale(study: Any, stale_after_s: float) -> list[int]:
     """Mark failed (not counted) the running trials whose sweep gave no sign of life for
     ``stale_after_s`` seconds: it was killed with them. Their numbers."""
@@ -153,18 +165,22 @@ class Sweep:
         self.ran = 0
 
     def run(self, parallel: int) -> None:
-        """Start the workers and wait; on KeyboardInterrupt, end the running trials first."""
-        workers = [threading.Thread(target=self._worker, daemon=True) for _ in range(parallel)]
-        for w in workers:
-            w.start()
+        """Start the workers and wait; on KeyboardInterrupt, end the running trials first.
+
+        Waits on events the workers set as they finish, not on ``Thread.join``: a join that a
+        KeyboardInterrupt interrupts can leave the thread looking finished (CPython before
+        3.13), and the report was then written before the last trial was told."""
+        done = [threading.Event() for _ in range(parallel)]
+        for event in done:
+            threading.Thread(target=self._worker, args=(event,), daemon=True).start()
         try:
-            while any(w.is_alive() for w in workers):
-                for w in workers:
-                    w.join(0.2)
+            for event in done:
+                while not event.wait(0.2):
+                    pass
         except KeyboardInterrupt:
             self.stop.set()
-            for w in workers:
-                w.join()
+            for event in done:
+                event.wait()
             raise
 
     def _may_start(self) -> bool:
@@ -174,14 +190,17 @@ class Sweep:
             return False
         return counted(self.study) < self.cfg.trials
 
-    def _worker(self) -> None:
-        while True:
-            with self.lock:
-                if not self._may_start():
-                    return
-                trial = self.study.ask()
-                self.ran += 1
-            self._trial(trial)
+    def _worker(self, done: threading.Event) -> None:
+        try:
+            while True:
+                with self.lock:
+                    if not self._may_start():
+                        return
+                    trial = self.study.ask()
+                    self.ran += 1
+                self._trial(trial)
+        finally:
+            done.set()
 
     def _trial(self, trial: Any) -> None:
         from optuna.trial import TrialState
@@ -240,7 +259,7 @@ def run_sweep(args: SweepArgs) -> tuple[Any, Sweep | None]:
     run what the budget leaves. The study, and the :class:`Sweep` (None when nothing ran)."""
     study = open_study(args)
     fail_stale(study, args.config.stale_after_s)
-    if args.config.include_default and not study.trials:
+    if args.config.include_default and needs_default(study):
         params = search_space.default_params(args.base, args.config.space)
         study.enqueue_trial(params, user_attrs={"default": True})
     left = args.config.trials - counted(study)
