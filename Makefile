@@ -76,6 +76,32 @@ train: setup  ## train PRESET (tiny|demo|criteo-kaggle) with NPROC processes int
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m training.launch --standalone --nproc_per_node=$(NPROC) \
 		-m training.train $(TRAIN_ARGS)
 
+# Hyperparameter search (training/sweep, docs/training.md "Sweeps"): trials of PRESET, each a real
+# training run on the validation AUC, in SWEEP_DIR (its study.journal, trial_NNNN/, report.md,
+# trials.png, best.toml). TRIALS: the study's total (the same command continues it), TIMEOUT:
+# seconds for this invocation; SWEEP_ARGS: more options (--parallel 2, --threads-per-trial 2,
+# --storage URL) and training overrides every trial gets (train.max_steps=500).
+SWEEP_DIR ?= runs/sweep-$(PRESET)
+TRIALS ?=
+TIMEOUT ?=
+SWEEP_ARGS ?=
+SWEEP_CMD = $(PY) -m training.sweep --preset $(PRESET) --out $(SWEEP_DIR) $(if $(TRIALS),--trials $(TRIALS)) \
+	$(if $(TIMEOUT),--timeout $(TIMEOUT)) $(if $(DATA),--data $(DATA)) $(SWEEP_ARGS)
+.PHONY: sweep sweep-slurm
+sweep: setup  ## search PRESET's hyperparameters (Optuna TPE + pruning) on validation AUC into SWEEP_DIR [TRIALS= TIMEOUT= SWEEP_ARGS=]: report.md, trials.png, best.toml; rerun to continue
+	$(SWEEP_CMD)
+
+# The same sweep spread over TASKS Slurm array tasks (deploy/slurm/sweep.sbatch): each runs trials
+# of the one study, its journal in SWEEP_DIR on storage every node sees.
+TASKS ?= 2
+sweep-slurm: setup  ## sbatch the sweep of PRESET as TASKS array tasks sharing SWEEP_DIR's study (Slurm) [TRIALS= TIMEOUT= SWEEP_ARGS= SBATCH_ARGS=]
+	@set -e; $(need_sbatch); mkdir -p $(SWEEP_DIR); \
+	job=$$(PRESET=$(call shq,$(PRESET)) SWEEP_DIR=$(call shq,$(SWEEP_DIR)) TRIALS=$(call shq,$(TRIALS)) \
+	  TIMEOUT=$(call shq,$(TIMEOUT)) DATA=$(call shq,$(DATA)) SWEEP_ARGS=$(call shq,$(SWEEP_ARGS)) \
+	  PY=$(call shq,$(abspath $(PY))) sbatch --parsable --array=0-$$(($(TASKS) - 1)) \
+	  --output=$(SWEEP_DIR)/slurm-%A_%a.out $(SBATCH_ARGS) deploy/slurm/sweep.sbatch); job=$${job%%;*}; \
+	echo "submitted sweep job array $$job ($(TASKS) tasks): squeue -j $$job; logs $(SWEEP_DIR)/slurm-$${job}_<task>.out; report $(SWEEP_DIR)/report.md"
+
 # Multi-node: the same command on every node, RUN and the data caches on storage they all see.
 # NODE_RANK=0 on the node RDZV_ENDPOINT names (its torchrun hosts the rendezvous store), 1.. on
 # the others; the c10d rendezvous numbers the ranks itself. Each node's --prepare-only waits on

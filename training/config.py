@@ -103,10 +103,8 @@ class ShardingConfig:
     """Fraction of each rank's memory the planner keeps free for activations and buffers."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.storage_reservation < 1.0:
-            raise ConfigError(
-                f"sharding.storage_reservation = {self.storage_reservation}: must be in [0, 1)"
-            )
+        if not 0.0 <= (r := self.storage_reservation) < 1.0:
+            raise ConfigError(f"sharding.storage_reservation = {r}: must be in [0, 1)")
 
     memory_cap_gb: float = 0.0
     """Per-rank memory cap for the planner (DDR on CPU, HBM on GPU); 0 = measure the machine."""
@@ -122,6 +120,8 @@ class OptimConfig:
     """Optimizer of the MLPs (and of data-parallel tables)."""
     dense_lr: float = 0.05
     """Learning rate of the dense optimizer."""
+    dense_weight_decay: float = 0.0
+    """L2 weight decay of the dense optimizer (the MLPs; 0 = none): a regularizer."""
 
 
 @dataclass

@@ -75,7 +75,10 @@ def build_trainer(cfg: Config, device: torch.device) -> Trainer:
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=module_sharders)
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     dense_cls = _dense_optimizer(cfg.optim.dense)
-    dense_opt = KeyedOptimizerWrapper(dense_params, lambda ps: dense_cls(ps, lr=cfg.optim.dense_lr))
+    lr, decay = cfg.optim.dense_lr, cfg.optim.dense_weight_decay
+    dense_opt = KeyedOptimizerWrapper(
+        dense_params, lambda ps: dense_cls(ps, lr=lr, weight_decay=decay)
+    )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_opt])
     return Trainer(model=dmp, optimizer=optimizer, plan=plan_summary(plan))
 
