@@ -141,7 +141,7 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
         result["calls"], result["failed"] = len(calls), sum(c.code != "OK" for c in calls)
         events = [json.loads(x) for x in (work / "run" / "continuous.jsonl").open()]
         result["deltas"] = [{k: e.get(k) for k in ("version", "promoted", "freshness_s",
-                             "since_pass_s", "make_s", "publish_s", "found_s", "judged_s", "served_s", "rows", "compared", "bytes",
+                             "since_pass_s", "make_s", "delta_s", "diff_s", "publish_s", "found_s", "judged_s", "served_s", "rows", "compared", "bytes",
                              "workers", "reason", "fallback")}
                             for e in events if e["event"] == "delta"]  # fmt: skip
         result["exports"] = sum(e["event"] == "export" for e in events)

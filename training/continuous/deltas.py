@@ -123,7 +123,8 @@ def publish_delta(
         _remove(folder, made)
         return {**record, "reason": f"delta not made: {e}", "fallback": FULL}
     record.update(rows=delta["rows"], bytes=delta["bytes"], gate=judged,
-                  make_s=round(time.perf_counter() - t0, 2))  # fmt: skip
+                  make_s=round(time.perf_counter() - t0, 2), delta_s=delta["seconds"],
+                  diff_s=delta["diff_s"])  # fmt: skip
     t1 = time.perf_counter()
     out = PUBLISHER.call(["publish", "--workdir", str(c.serve_dir), "--record",
                           json.dumps({**delta, "gate": judged}), "--dwell-s",

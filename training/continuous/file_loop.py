@@ -116,6 +116,7 @@ class Continuous:
         self.file_stats: dict[str, Any] = {}
         self.pass_end = 0.0  # when the last pass ended, checkpoint written (a delta's clock)
         self.guard, self.outcomes = Guard(self), Outcomes(self)  # quarantine; publish outcomes
+        self.prefetch = inbox.Prefetch(rank == 0)  # the next file parsed during a pass
         self.touched = deltas.prepare(self.run_dir, cfg, step, rank)  # what a delta compares
 
     # -- files -----------------------------------------------------------------------------
@@ -138,6 +139,7 @@ class Continuous:
         d = self.cfg.data
         outcome: tuple[str, str] = ("", "")
         if self.rank == 0:
+            self.prefetch.join()
             try:
                 out_dir, _ = ensure_binary(
                     [path], Path(d.cache_dir), on_bad=d.on_bad_row, max_bad_rows=d.max_bad_rows,
@@ -214,18 +216,14 @@ class Continuous:
                                "step": self.progress.step, "file_index": record.index,
                                "learn": self.c.learn, "label_rate": float(arrays.labels.mean()),
                                "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
-        if "oracle_auc" in m:
-            rec["oracle_auc"] = m["oracle_auc"]
+        rec.update({k: m[k] for k in ("oracle_auc",) if k in m})
         if self.baseline is not None and self.baseline.rows_seen:  # on the same rows
             rec.update(baseline.score(self.baseline, rows))
             for warning in baseline.judge({**rec, "eval_rows": rec["rows"]}):
                 logger.warning("%s: %s", record.file, warning)
         self.progressive.write(rec)
-        scalars: dict[str, Any] = {
-            k: rec[k] for k in ("auc", "ne", "calibration", "oracle_auc", "baseline_auc",
-                                "baseline_ne") if k in rec
-        }  # fmt: skip
-        self.tb_files.add("progressive", scalars, record.index)
+        names = ("auc", "ne", "calibration", "oracle_auc", "baseline_auc", "baseline_ne")
+        self.tb_files.add("progressive", {k: rec[k] for k in names if k in rec}, record.index)
         self.last_metrics = rec
         if self.rank == 0:
             logger.info("%s: progressive AUC %.4f  NE %.4f  calibration %.4f  (%d rows, step %d)",
@@ -251,6 +249,7 @@ class Continuous:
         head = carry.carried_in(self.run_dir, record, self.ledger.done, self.rank == 0)
         rows: Arrays | Joined = arrays if head is None else Joined(head, arrays)
         self.touched.add(head, arrays)  # before the pass: a restart finds them (.touched)
+        self.prefetch.start(self.data_dir, self.ledger, record.file, cfg)
         stream = carry.FileStream(
             rows, record.carried_in, global_batch=g, rank=self.rank, world_size=self.world,
             rows_per_table=cfg.model.rows(), seed=cfg.train.seed,
@@ -391,6 +390,7 @@ class Continuous:
                     inbox.drop_cache(Path(info["binary"]))
         self.tb.close()
         self.tb_files.close()
+        self.prefetch.join()  # a cache half built by a thread the exit would kill
         pending = self.ledger.done[-1].carried_out if self.ledger.done else 0
         return {"files": done, "step": self.progress.step, "consumed": len(self.ledger.done),
                 "carried_rows": pending, "publish_due": self.due(),

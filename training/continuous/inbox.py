@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -101,6 +102,44 @@ def pending(data_dir: Path, consumed: dict[str, list[Content | None]]) -> list[P
                 )  # fmt: skip
         files.append(p)
     return sorted(files, key=lambda p: natural_key(p.name))
+
+
+class Prefetch:
+    """The next pending file parsed into its binary cache in a thread while a pass trains (rank
+    0), so the loop finds it built when the pass ends: its load is then a reuse, and the
+    publish that waits for that file (it is the gate's rows) starts sooner. One file ahead,
+    one process (no fork beside the training threads); a failure is left for the loop's own
+    load to meet and report. The loop joins it before loading a file (the cache's lock is a
+    process's, so it does not order two threads)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.thread: threading.Thread | None = None
+
+    def start(self, data_dir: Path, ledger: Ledger, current: str, cfg: Any) -> None:
+        if not self.enabled or (self.thread is not None and self.thread.is_alive()):
+            return
+        files = [p for p in pending(data_dir, ledger.consumed) if p.name != current]
+        if not files:
+            return
+        from training.data.binary import ensure_binary
+
+        d = cfg.data
+
+        def work() -> None:
+            try:
+                ensure_binary([files[0]], Path(d.cache_dir), on_bad=d.on_bad_row,
+                              max_bad_rows=d.max_bad_rows, progress=False,
+                              rows_per_table=cfg.model.rows(), processes=1)  # fmt: skip
+            except Exception as e:  # the loop's load meets it again and says so
+                logger.debug("prefetching %s: %s", files[0].name, e)
+
+        self.thread = threading.Thread(target=work, name="prefetch", daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
 
 
 def reject(path: Path, reason: str) -> Path:

@@ -186,7 +186,9 @@ def make_delta(
     record = torch.load(mapped, map_location="cpu", weights_only=True)["tables"]
     ref, ref_weights, parent = chain_state(folder)
     now = base if ref_weights is None else overlay(base, ref, ref_weights, parent)
+    t1 = time.perf_counter()
     parts = changed_rows(ckpt, base, record, ref, touched)
+    diff_s = time.perf_counter() - t1
     scorer = dense_scorer(ckpt, model_cfg)
     weights = {k: v for k, v in scorer.state_dict().items() if k != "weight"}
     delta = {"base": base_v, "base_sha256": record["sha256"], "parent": parent,
@@ -197,8 +199,8 @@ def make_delta(
     candidate = overlay(base, merge_parts(ref, parts), weights, version)
     dense = sum(v.numel() * v.element_size() for v in weights.values())
     widths = {f: row_bytes(base.dim, f) for f in parts}
-    out.update(row_bytes=widths.get(fmt, widths), dense_bytes=dense,
-               parent=parent, chain=seq, seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
+    out.update(row_bytes=widths.get(fmt, widths), dense_bytes=dense, parent=parent, chain=seq,
+               seconds=round(time.perf_counter() - t0, 2), diff_s=round(diff_s, 2))  # fmt: skip
     return out, now, candidate
 
 
