@@ -1,25 +1,30 @@
 """``make bench-freshness``: end of a training pass -> every worker serving it, measured through
 the continuous loop itself (issue 47), at each ``--presets`` shape.
 
-Per preset: ``--passes`` + 2 synthetic days of ``--rows`` rows (ids drawn over the preset's own
-table sizes, so a pass touches as many rows as real traffic of that size would), drifting by
+Per preset: ``--passes`` + 4 synthetic days of ``--rows`` rows (ids drawn over the preset's own
+table sizes, so a pass touches as many rows as traffic of that size would), drifting by
 ``--drift`` a day. The loop (``torchrun -m training.continuous``, ``continuous.deltas=true``,
-a publish every file) takes days 0 and 1 with no stack: the model after day 0 is exported and
-becomes the served default. ``make serve``'s supervisor serves it (``--replicas`` TorchServe
-replicas x ``--workers`` workers behind the gateway) under headless Locust (the chaos run's
-user: one record per call). Then the other days arrive at once and the same loop command runs
-on: at each day it publishes the model before it as a delta over the served default, gated on
-that day's rows, then trains on it. Each delta's record in ``RUN/continuous.jsonl`` is the
-figure: ``freshness_s`` (the pass's end, checkpoint written -> the last worker's
-acknowledgement, by the worker's clock), its parts (``since_pass_s``: loading and scoring the
-day the gate judges on; ``make_s``: the delta, the gate's scoring; ``served_s``: pointer ->
-every ack), rows, bytes and the rows compared. Failed calls: Locust's calls that started
-during the loop and did not end OK.
+a publish every file: ``make continuous``) takes days 0 and 1 with no stack: the model after
+day 0 is exported and becomes the served default. ``make serve``'s supervisor serves it
+(``--replicas`` TorchServe replicas x ``--workers`` workers behind the gateway) under headless
+Locust (the chaos run's user: one record per call) until the end. Then ``--passes`` + 1 days
+arrive at once and the same loop command runs on: at each day it publishes the model before
+it as a delta over the served default, gated on that day's rows, then trains on it. Each
+delta's record in ``RUN/continuous.jsonl`` is the figure: ``freshness_s`` (the pass's end,
+checkpoint written -> the last worker's acknowledgement, by the worker's clock) and its parts
+(``since_pass_s``: loading and scoring the day the gate judges on; ``make_s``: the delta and
+the gate's scoring; ``publish_s``: the publisher's judging, the pointer and every ack), rows,
+bytes and the rows compared. The first delta's pass ended in the first loop process, before
+the stack started: its clock is not the loop's, and the figures are the other ``--passes``.
+Failed calls: Locust's calls that started during the loop and did not end OK.
 
-**The changed-ids check**: after the loop, the checkpoint the last delta was made of is
-exported in full (int8, ``python -m training.export``) and a batch whose every id hits a row
-that delta changed is scored by every replica (through TorchServe's own gRPC API, each worker
-likely) and in process by that full export: the largest |difference| is ``max_abs_diff``.
+**The changed-ids check**: then the checkpoint the last delta was made of is exported in full
+(int8, ``python -m training.export --no-archive``) and a batch whose every id hits a row that
+delta changed is scored by every replica (TorchServe's own gRPC API, each worker likely) and in
+process by that full export: the largest |difference| is ``max_abs_diff``.
+
+**The full path**: one more day with ``continuous.deltas=false``: its publish is the loop's
+export + rollout (their ``seconds``, the ``.mar``'s bytes, the calls that failed meanwhile).
 Writes ``--out``/freshness.json and prints the table.
 """
 
@@ -110,7 +115,7 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     log, rows = work / "bench.log", a.rows or PASS_ROWS[preset]
     sizes = table_sizes(preset)
-    py(["training.data.synthetic", "--days", str(a.passes + 2), "--rows", str(rows), "--drift",
+    py(["training.data.synthetic", "--days", str(a.passes + 4), "--rows", str(rows), "--drift",
         str(a.drift), "--vocab", *map(str, sizes), "--out", str(work / "days"), "--no-progress"],
        log)  # fmt: skip
     move_days(work / "days", work / "inbox", ["day_0", "day_1"])
@@ -134,7 +139,7 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
         while not records.poll() and time.monotonic() < end:
             time.sleep(0.5)
         t0 = time.time()
-        move_days(work / "days", work / "inbox", [f"day_{d}" for d in range(2, a.passes + 2)])
+        move_days(work / "days", work / "inbox", [f"day_{d}" for d in range(2, a.passes + 3)])
         loop(preset, work, [], log, env)
         t1 = time.time()
         calls = [c for c in records.poll() if t0 <= c.start <= t1]
@@ -144,14 +149,26 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
                              "since_pass_s", "make_s", "delta_s", "diff_s", "publish_s", "found_s", "judged_s", "served_s", "rows", "compared", "bytes",
                              "workers", "reason", "fallback")}
                             for e in events if e["event"] == "delta"]  # fmt: skip
-        result["exports"] = sum(e["event"] == "export" for e in events)
         result["max_abs_diff"], result["checked_rows"] = changed_ids_check(work, env, p[3], log)
+        t2 = time.time()  # the full path: one more day with deltas off (export + rollout)
+        move_days(work / "days", work / "inbox", [f"day_{a.passes + 3}"])
+        loop(preset, work, ["continuous.deltas=false"], log, env)
+        calls = [c for c in records.poll() if t2 <= c.start <= time.time()]
+        events = [json.loads(x) for x in (work / "run" / "continuous.jsonl").open()]
+        full = {e["event"]: e for e in events if e["event"] in ("export", "rollout")}  # the last
+        result["full"] = {"export_s": full["export"].get("seconds"),
+                          "rollout_s": full["rollout"].get("seconds"),
+                          "promoted": full["rollout"].get("promoted"),
+                          "mar_bytes": Path(full["export"]["mar"]).stat().st_size,
+                          "calls": len(calls), "failed": sum(c.code != "OK" for c in calls)}  # fmt: skip
     finally:
         if locust is not None:
             locust.send_signal(signal.SIGINT)
             locust.wait(30)
         py(["serving.tools.supervisor", "stop"], log, env)
-    fresh = [d["freshness_s"] for d in result["deltas"] if d["promoted"]]
+    # the first delta's pass ended in the previous loop process, before the stack started: its
+    # clock is not the loop's (since_pass_s 0); the figures are those of the others
+    fresh = [d["freshness_s"] for d in result["deltas"][1:] if d["promoted"]]
     result["freshness_p50_s"] = statistics.median(fresh) if fresh else None
     result["freshness_max_s"] = max(fresh) if fresh else None
     return result
@@ -211,19 +228,24 @@ def table(results: list[dict[str, Any]]) -> str:
     head = ("| shape | pass rows | deltas promoted | freshness p50 / max s | since pass / make / "
             "served s (p50) | rows (p50) | bytes (p50) | compared (p50) | failed calls | "
             "max abs diff (changed ids) |")  # fmt: skip
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 10]  # deltas: the second on (see one())
     for r in results:
-        ok = [d for d in r["deltas"] if d["promoted"]]
+        ok = [d for d in r["deltas"][1:] if d["promoted"]]
 
         def med(k: str, ds: list[dict[str, Any]] = ok) -> Any:
             xs = [d[k] for d in ds if isinstance(d.get(k), int | float)]
-            return statistics.median(xs) if xs else "-"
+            return round(statistics.median(xs), 2) if xs else "-"
 
         lines.append(f"| {r['preset']} | {r['rows_per_pass']:,} | {len(ok)} of {len(r['deltas'])} | "
                      f"{r['freshness_p50_s']} / {r['freshness_max_s']} | {med('since_pass_s')} / "
-                     f"{med('make_s')} / {med('served_s')} | {med('rows'):,} | {med('bytes'):,} | "
-                     f"{med('compared'):,} | {r['failed']} of {r['calls']:,} | "
+                     f"{med('make_s')} / {med('served_s')} | {med('rows'):,.0f} | {med('bytes'):,.0f} | "
+                     f"{med('compared'):,.0f} | {r['failed']} of {r['calls']:,} | "
                      f"{r['max_abs_diff']:.2g} ({r['checked_rows']} rows) |")  # fmt: skip
+        f = r["full"]
+        lines.append(f"| {r['preset']}, full publish (deltas off) | {r['rows_per_pass']:,} | "
+                     f"{'1 of 1' if f['promoted'] else '0 of 1'} | - | export {f['export_s']} + "
+                     f"rollout {f['rollout_s']} | all | {f['mar_bytes']:,} (.mar) | all | "
+                     f"{f['failed']} of {f['calls']:,} | - |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -231,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.freshness", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--presets", nargs="+", default=["demo", "criteo-kaggle"])
-    p.add_argument("--passes", type=int, default=5, help="deltas measured (one a pass)")
+    p.add_argument("--passes", type=int, default=5, help="deltas measured (one a pass; one more "
+                   "is made first, its clock started before the stack)")  # fmt: skip
     p.add_argument("--rows", type=int, default=0, help="rows a day (0: 24 steps of the preset)")
     p.add_argument("--drift", type=float, default=0.05)
     p.add_argument("--users", type=int, default=4)

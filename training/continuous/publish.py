@@ -301,7 +301,10 @@ def publish(
         records.append({**base, "event": "rollout", "promoted": False,
                         "reason": f"the stack serves {served_model}, not {name}"})  # fmt: skip
         return records
-    records.append(rollout(cfg, version, base))
+    rolled = rollout(cfg, version, base)
+    if rolled["promoted"] and pass_end:  # end of the pass -> the rollout command's end
+        rolled["freshness_s"] = round(time.time() - pass_end, 2)
+    records.append(rolled)
     return records
 
 
