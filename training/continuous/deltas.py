@@ -37,7 +37,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,56 +80,140 @@ def counted(records: list[dict[str, Any]]) -> bool:
 
 def try_delta(
     cfg: ContinuousConfig, run_dir: Path, store: Path, base: dict[str, Any], unseen: Path,
-    pass_end: float, touched: Touched | None = None,
+    pass_end: float, touched: Touched | None = None, early: Early | None = None,
 ) -> dict[str, Any] | None:  # fmt: skip
     """The delta record of this publish; None when none is due (not the default's export,
     compaction): a full publish. A record with ``fallback``: a full publish follows."""
     folder = delta_target(cfg, run_dir, store, base["model"])
     if folder is None:
         return None
-    try:
-        schema = json.loads((run_dir / "export" / "schema.json").read_text())
-    except (OSError, ValueError) as e:
-        schema = {"error": str(e)}
-    fmt, why = served_format(schema)
+    fmt, why = served_format(_schema(run_dir))
     if fmt is None:
         return {**base, "event": "delta", "base": folder.name, "promoted": False,
                 "reason": why, "fallback": FULL}  # fmt: skip
-    return publish_delta(cfg, run_dir, folder, base, unseen, pass_end, fmt, touched)
+    return publish_delta(cfg, run_dir, folder, base, unseen, pass_end, fmt, touched, early)
+
+
+@dataclass
+class Made:
+    """A delta made and scored, not published: its record's fields, the publisher's record,
+    its files; or the error that stopped it."""
+
+    key: tuple[str, str, str]  # (deltas folder, the chain's last file, checkpoint) it is over
+    fields: dict[str, Any] = field(default_factory=dict)
+    entry: dict[str, Any] = field(default_factory=dict)
+    files: list[Path] = field(default_factory=list)
+    error: str = ""
+
+
+def make(
+    cfg: ContinuousConfig, run_dir: Path, folder: Path, version: str, unseen: Path, fmt: str,
+    touched: Touched | None,
+) -> Made:  # fmt: skip
+    """The delta of ``run_dir``'s latest checkpoint over ``folder``'s chain for ``fmt`` tables,
+    scored with what serves on ``unseen``'s first rows (the gate's figures, judged later)."""
+    t0 = time.perf_counter()
+    ckpt = checkpoint.read_latest(run_dir / "checkpoints")
+    end = chain_end(folder, read_pointer(folder)["chain"])
+    m = Made((*end, str(ckpt)))
+    try:  # in this process (torch imported): the import is no part of the freshness
+        if ckpt is None:
+            raise DeltaError(f"{run_dir}: no checkpoint")
+        since = touched.since(end) if touched else None
+        m.fields["compared"] = "all" if since is None else int(sum(len(t) for t in since))
+        delta, now, candidate = make_delta(ckpt, cfg.model, run_dir / "export", folder, version,
+                                           fmt, since)  # fmt: skip
+        m.files = [folder / delta["file"], folder / f"{Path(delta['file']).stem}.judge.npz"]
+        arrays = unseen_arrays(unseen, cfg, cfg.continuous.rollout_eval_rows)
+        judged = gate(now, candidate, arrays, m.files[1])
+    except (DeltaError, OSError, ValueError, RecsysError) as e:
+        _remove(folder, m.files)
+        m.error, m.files = f"delta not made: {e}", []
+        return m
+    m.entry = {**delta, "gate": judged}
+    m.fields.update(rows=delta["rows"], bytes=delta["bytes"], gate=judged,
+                    make_s=round(time.perf_counter() - t0, 2), delta_s=delta["seconds"],
+                    diff_s=delta["diff_s"])  # fmt: skip
+    return m
+
+
+class Early:
+    """The delta the next publish will need, made in a thread (rank 0) while the loop scores
+    the file it will be judged on (progressive validation, the quarantine checks), so their
+    costs overlap instead of adding up. The publish takes it when it is over the same folder,
+    chain end and checkpoint, else makes its own; one not taken is removed."""
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+        self.thread: threading.Thread | None = None
+        self.made: Made | None = None
+
+    def start(self, unseen: Path) -> None:
+        """Start making the delta the publish due at ``unseen`` will want (if any)."""
+        self.discard()
+        loop = self.loop
+        if loop.rank != 0 or not loop.c.deltas or not loop.due():
+            return
+        from training.continuous.publish import serving_stack
+
+        name = f"dlrm-{loop.cfg.name}"
+        served, store = serving_stack(loop.c.serve_dir) if loop.c.rollout else (None, None)
+        store = store or loop.c.model_store
+        ok = served == name and store is not None
+        folder = delta_target(loop.cfg, loop.run_dir, store, name) if ok else None
+        fmt = served_format(_schema(loop.run_dir))[0]
+        if folder is None or fmt is None:
+            return
+        args = (loop.cfg, loop.run_dir, folder, str(loop.progress.step), unseen, fmt,
+                loop.touched)  # fmt: skip
+        self.thread = threading.Thread(target=lambda: setattr(self, "made", make(*args)),
+                                       name="early-delta", daemon=True)  # fmt: skip
+        self.thread.start()
+
+    def take(self, key: tuple[str, str, str]) -> Made | None:
+        """The delta made early when it is over ``key``; None (and it removed) otherwise."""
+        if self.thread is not None:
+            self.thread.join()
+        made, self.made, self.thread = self.made, None, None
+        if made is not None and made.key != key:
+            _remove(Path(made.key[0]), made.files)
+            return None
+        return made
+
+    def discard(self) -> None:
+        self.take(("", "", ""))
+
+
+def _schema(run_dir: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((run_dir / "export" / "schema.json").read_text()))
+    except (OSError, ValueError) as e:
+        return {"error": str(e)}
 
 
 def publish_delta(
     cfg: ContinuousConfig, run_dir: Path, folder: Path, base: dict[str, Any], unseen: Path,
     pass_end: float, fmt: str = "int8", touched: Touched | None = None,
+    early: Early | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Make, gate and publish the delta of ``run_dir``'s latest checkpoint over ``folder``
-    for ``fmt`` tables; the record (module doc)."""
+    """Make (or take from ``early``), gate and publish the delta of ``run_dir``'s latest
+    checkpoint over ``folder`` for ``fmt`` tables; the record (module doc)."""
     c = cfg.continuous
     record: dict[str, Any] = {**base, "event": "delta", "base": folder.name, "format": fmt,
                               "promoted": False,  # since_pass_s: the next file's load + scoring
                               "since_pass_s": round(time.time() - pass_end, 2)}  # fmt: skip
-    t0 = time.perf_counter()
-    made: list[Path] = []
-    try:  # in this process (torch imported): the import is no part of the freshness
-        ckpt = checkpoint.read_latest(run_dir / "checkpoints")
-        if ckpt is None:
-            raise DeltaError(f"{run_dir}: no checkpoint")
-        since = touched.since(chain_end(folder, read_pointer(folder)["chain"])) if touched else None
-        record["compared"] = "all" if since is None else int(sum(len(t) for t in since))
-        delta, now, candidate = make_delta(ckpt, cfg.model, run_dir / "export", folder,
-                                           base["version"], fmt, since)  # fmt: skip
-        made = [folder / delta["file"], folder / f"{Path(delta['file']).stem}.judge.npz"]
-        arrays = unseen_arrays(unseen, cfg, c.rollout_eval_rows)
-        judged = gate(now, candidate, arrays, made[1])
-    except (DeltaError, OSError, ValueError, RecsysError) as e:
-        _remove(folder, made)
-        return {**record, "reason": f"delta not made: {e}", "fallback": FULL}
-    record.update(rows=delta["rows"], bytes=delta["bytes"], gate=judged,
-                  make_s=round(time.perf_counter() - t0, 2), delta_s=delta["seconds"],
-                  diff_s=delta["diff_s"])  # fmt: skip
+    key = (*chain_end(folder, read_pointer(folder)["chain"]),
+           str(checkpoint.read_latest(run_dir / "checkpoints")))  # fmt: skip
+    m = early.take(key) if early is not None else None
+    record["early"] = m is not None  # made while the loop scored the file
+    if m is None:
+        m = make(cfg, run_dir, folder, str(base["version"]), unseen, fmt, touched)
+    record.update(m.fields)
+    if m.error:
+        return {**record, "reason": m.error, "fallback": FULL}
     t1 = time.perf_counter()
     out = PUBLISHER.call(["publish", "--workdir", str(c.serve_dir), "--record",
-                          json.dumps({**delta, "gate": judged}), "--dwell-s",
+                          json.dumps(m.entry), "--dwell-s",
                           str(c.delta_dwell_s), "--timeout-s", str(c.delta_timeout_s),
                           "--rollout-args", json.dumps(list(c.rollout_args))])  # fmt: skip
     acked = float(out.get("acked_at") or time.time())  # the last worker's ack: it serves now
@@ -139,9 +225,9 @@ def publish_delta(
     if record["promoted"] and touched is not None:  # what serves now: this delta
         touched.restart(chain_end(folder, read_pointer(folder)["chain"]), int(base["step"]))
     if isinstance(out.get("gate"), dict):
-        record["gate"] = {**judged, **out["gate"]}
+        record["gate"] = {**m.entry["gate"], **out["gate"]}
     record["gate"].pop("judge", None)  # its file is removed below
-    _remove(folder, made[1:] if record["promoted"] else made)
+    _remove(folder, m.files[1:] if record["promoted"] else m.files)
     if not record["promoted"] and out.get("refused") != "gate":
         record["fallback"] = FULL
     return record

@@ -117,6 +117,7 @@ class Continuous:
         self.pass_end = 0.0  # when the last pass ended, checkpoint written (a delta's clock)
         self.guard, self.outcomes = Guard(self), Outcomes(self)  # quarantine; publish outcomes
         self.prefetch = inbox.Prefetch(rank == 0)  # the next file parsed during a pass
+        self.early = deltas.Early(self)  # the delta made while the file it needs is scored
         self.touched = deltas.prepare(self.run_dir, cfg, step, rank)  # what a delta compares
 
     # -- files -----------------------------------------------------------------------------
@@ -179,18 +180,6 @@ class Continuous:
                            "file", name, current.row, current.rows, current.content, content)  # fmt: skip
         current.done = True
         return None
-
-    def reject(self, name: str, reason: str) -> None:
-        if self.rank == 0:
-            path = self.data_dir / name
-            if path.exists():
-                where = inbox.reject(path, reason)
-                logger.warning("%s rejected (-> %s): %s", name, where.parent, reason)
-            self.events.write({"event": "rejected", "file": name, "reason": reason,
-                               "step": self.progress.step, "time": time.time()})  # fmt: skip
-        current = self.ledger.current
-        if current is not None and current.file == name:
-            self.ledger.files.remove(current)
 
     # -- progressive validation --------------------------------------------------------------
 
@@ -304,7 +293,8 @@ class Continuous:
 
         def work() -> list[dict[str, Any]]:
             try:
-                return publish(self.cfg, self.run_dir, step, unseen, self.pass_end, self.touched)
+                return publish(self.cfg, self.run_dir, step, unseen, self.pass_end, self.touched,
+                               self.early)  # fmt: skip
             except Exception as e:  # recorded; the loop goes on
                 return [{"event": "export", "ok": False, "step": step, "error": repr(e)}]
 
@@ -353,11 +343,12 @@ class Continuous:
             path = self.data_dir / name
             arrays, reason, info = self.load(path)
             if arrays is None:
-                self.reject(name, reason)
+                inbox.reject_file(self, name, reason)
                 continue
             record = self.in_progress(name, info["content"]) or self.ledger.start(
                 name, len(arrays), info["content"]
             )
+            self.early.start(path)  # (a delta due at this file, made while it is scored)
             self.validate(record, arrays)
             if self.guard.check(record, arrays, info):  # quarantined (.poison): the next file
                 continue
@@ -391,6 +382,7 @@ class Continuous:
         self.tb.close()
         self.tb_files.close()
         self.prefetch.join()  # a cache half built by a thread the exit would kill
+        self.early.discard()
         pending = self.ledger.done[-1].carried_out if self.ledger.done else 0
         return {"files": done, "step": self.progress.step, "consumed": len(self.ledger.done),
                 "carried_rows": pending, "publish_due": self.due(),

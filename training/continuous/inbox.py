@@ -157,6 +157,21 @@ def reject(path: Path, reason: str) -> Path:
     return target
 
 
+def reject_file(loop: Any, name: str, reason: str) -> None:
+    """The continuous loop's rejection of its file ``name``: moved aside (:func:`reject`),
+    recorded, and out of the ledger."""
+    if loop.rank == 0:
+        path = loop.data_dir / name
+        if path.exists():
+            where = reject(path, reason)
+            logger.warning("%s rejected (-> %s): %s", name, where.parent, reason)
+        loop.events.write({"event": "rejected", "file": name, "reason": reason,
+                           "step": loop.progress.step, "time": time.time()})  # fmt: skip
+    current = loop.ledger.current
+    if current is not None and current.file == name:
+        loop.ledger.files.remove(current)
+
+
 def drop_cache(cache_dir: Path) -> None:
     """Remove a consumed file's preprocessed cache (continuous.keep_cache = false)."""
     shutil.rmtree(cache_dir, ignore_errors=True)

@@ -267,12 +267,13 @@ def export(
 
 def publish(
     cfg: ContinuousConfig, run_dir: Path, step: int, unseen: Path, pass_end: float = 0.0,
-    touched: Touched | None = None,
+    touched: Touched | None = None, early: Any = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Export step ``step`` of ``run_dir`` as version ``<step>`` (another when that name is
     another model's: module doc), ``unseen`` its rows never trained on, then roll it out if a
     stack serves this model; returns the records (export, and rollout when one ran).
-    ``touched``: the rows trained since what serves, restarted at what this publish serves."""
+    ``touched``: the rows trained since what serves, restarted at what this publish serves;
+    ``early``: the delta made while the loop scored ``unseen`` (:class:`.deltas.Early`)."""
     c = cfg.continuous
     name = f"dlrm-{cfg.name}"
     served_model, store = serving_stack(c.serve_dir) if c.rollout else (None, None)
@@ -282,7 +283,8 @@ def publish(
     if c.deltas and served_model == name and store is not None:
         from training.continuous.deltas import try_delta
 
-        delta = try_delta(cfg, run_dir, store, base, unseen, pass_end or time.time(), touched)
+        delta = try_delta(cfg, run_dir, store, base, unseen, pass_end or time.time(), touched,
+                          early)  # fmt: skip
         records += [delta] if delta else []
         if delta and not delta.get("fallback"):  # served, or refused by the evaluated gate
             return records
