@@ -255,11 +255,11 @@ bench-scale: setup  ## export/serving vs table size (SCALE_ARGS), preprocessing 
 	$(if $(filter serving,$(SCALE_STAGES)),$(PY) -m serving.bench.scale $(SCALE_ARGS))
 	$(if $(filter training,$(SCALE_STAGES)),$(PY) -m training.bench.scale $(SCALE_TRAIN_ARGS))
 
-# Issue 36: end of a training pass -> every replica serving it, by embedding delta and by full
-# re-export, side by side (2 replicas x 2 workers under Locust): reports/bench-freshness/.
+# Issues 36, 47: end of a training pass -> every worker serving it, through the continuous loop
+# (make continuous with deltas, 2 replicas x 2 workers under Locust): reports/bench-freshness/.
 .PHONY: bench-freshness
 FRESHNESS_ARGS ?=
-bench-freshness: setup  ## delta vs full re-export at the demo and criteo-kaggle shapes: rows, bytes, freshness_s, failed calls, max |diff| [FRESHNESS_ARGS]
+bench-freshness: setup  ## the continuous loop's deltas on a served stack under Locust, demo and criteo-kaggle: freshness p50/max, rows, bytes, failed calls, changed-ids check [FRESHNESS_ARGS]
 	$(PY) -m loadtest.freshness $(FRESHNESS_ARGS)
 
 # A replica's start, quiet and beside a 2-process CPU hog: phases from TorchServe's log (JVM up,

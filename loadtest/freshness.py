@@ -4,7 +4,7 @@ the continuous loop itself (issue 47), at each ``--presets`` shape.
 Per preset: ``--passes`` + 4 synthetic days of ``--rows`` rows (ids drawn over the preset's own
 table sizes, so a pass touches as many rows as traffic of that size would), drifting by
 ``--drift`` a day. The loop (``torchrun -m training.continuous``, ``continuous.deltas=true``,
-a publish every file: ``make continuous``) takes days 0 and 1 with no stack: the model after
+a publish every file, ``--nproc`` processes: ``make continuous``) takes days 0 and 1 with no stack: the model after
 day 0 is exported and becomes the served default. ``make serve``'s supervisor serves it
 (``--replicas`` TorchServe replicas x ``--workers`` workers behind the gateway) under headless
 Locust (the chaos run's user: one record per call) until the end. Then ``--passes`` + 1 days
@@ -72,9 +72,11 @@ def table_sizes(preset: str) -> list[int]:
     return [int(r) for r in load_config(ROOT / f"training/configs/{preset}.toml").model.rows()]
 
 
-def loop(preset: str, work: Path, extra: list[str], log: Path, env: dict[str, str]) -> None:
+def loop(
+    preset: str, work: Path, extra: list[str], log: Path, env: dict[str, str], nproc: int
+) -> None:
     """The continuous loop over ``work/inbox`` until no file is left (``make continuous``)."""
-    py(["--standalone", "--nproc_per_node=1", "-m", "training.continuous", "--config",
+    py(["--standalone", f"--nproc_per_node={nproc}", "-m", "training.continuous", "--config",
         f"training/configs/{preset}.toml", "--run-dir", str(work / "run"), "--data-dir",
         str(work / "inbox"), "--no-progress", "continuous.export_every=1",
         "continuous.deltas=true", "train.keep_last=3", f'data.cache_dir="{work / "cache"}"',
@@ -119,7 +121,7 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
         str(a.drift), "--vocab", *map(str, sizes), "--out", str(work / "days"), "--no-progress"],
        log)  # fmt: skip
     move_days(work / "days", work / "inbox", ["day_0", "day_1"])
-    loop(preset, work, ["continuous.rollout=false"], log, {})
+    loop(preset, work, ["continuous.rollout=false"], log, {}, a.nproc)
     schema = work / "run" / "export" / "schema.json"
     env = {"RECSYS_SERVE_DIR": str(work / "serve"), "RECSYS_MODEL_STORE": str(work / "store")}
     p = free_ports(7)
@@ -130,7 +132,8 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
         *(x for k, v in zip(names, p[:5], strict=True) for x in (f"--torchserve.{k}-port", str(v)))],
        log, env)  # fmt: skip
     result: dict[str, Any] = {"preset": preset, "rows_per_pass": rows, "tables_rows": sum(sizes),
-                              "replicas": a.replicas, "workers": a.workers}  # fmt: skip
+                              "replicas": a.replicas, "workers": a.workers, "nproc": a.nproc,
+                              "users": a.users}  # fmt: skip
     locust = None
     try:
         locust = start_locust(f"127.0.0.1:{p[5]}", work / "days" / "day_0.tsv", a.users, out, env)
@@ -140,7 +143,7 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
             time.sleep(0.5)
         t0 = time.time()
         move_days(work / "days", work / "inbox", [f"day_{d}" for d in range(2, a.passes + 3)])
-        loop(preset, work, [], log, env)
+        loop(preset, work, [], log, env, a.nproc)
         t1 = time.time()
         calls = [c for c in records.poll() if t0 <= c.start <= t1]
         result["calls"], result["failed"] = len(calls), sum(c.code != "OK" for c in calls)
@@ -152,7 +155,7 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
         result["max_abs_diff"], result["checked_rows"] = changed_ids_check(work, env, p[3], log)
         t2 = time.time()  # the full path: one more day with deltas off (export + rollout)
         move_days(work / "days", work / "inbox", [f"day_{a.passes + 3}"])
-        loop(preset, work, ["continuous.deltas=false"], log, env)
+        loop(preset, work, ["continuous.deltas=false"], log, env, a.nproc)
         calls = [c for c in records.poll() if t2 <= c.start <= time.time()]
         events = [json.loads(x) for x in (work / "run" / "continuous.jsonl").open()]
         full = {e["event"]: e for e in events if e["event"] in ("export", "rollout")}  # the last
@@ -258,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=0, help="rows a day (0: 24 steps of the preset)")
     p.add_argument("--drift", type=float, default=0.05)
     p.add_argument("--users", type=int, default=4)
+    p.add_argument("--nproc", type=int, default=2, help="the loop's processes (make's NPROC)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--workers", type=int, default=2, help="TorchServe workers a replica")
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-freshness"))
