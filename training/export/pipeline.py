@@ -64,7 +64,7 @@ LATENCY_BATCH = "100"  # the batch size variants are compared (and the CPU's fas
 
 def parity_arrays(ecfg: ExportConfig, train_cfg: Any) -> Arrays:
     """Rows the checkpoint did not train on: ``--eval-data``, ``--unseen-data`` or the run's
-    eval split, at most ``parity_rows``."""
+    test split, at most ``parity_rows``."""
     from training.data.binary import ensure_binary, load_binary
     from training.data.prep import prepare_data
 
@@ -78,7 +78,7 @@ def parity_arrays(ecfg: ExportConfig, train_cfg: Any) -> Arrays:
         data = load_binary(out_dir)
         arrays = Arrays(data.labels, data.dense, data.sparse, data.prob, tuple(tables))
     else:
-        arrays = prepare_data(train_cfg.data, 0, ecfg.progress, rows_per_table=tables)[1]
+        arrays = prepare_data(train_cfg.data, 0, ecfg.progress, rows_per_table=tables).test
     arrays = arrays.rows(0, min(len(arrays), ecfg.parity_rows))
     if len(arrays) == 0:
         raise DataError("the eval set is empty: parity needs held-out rows (see --eval-data)")
