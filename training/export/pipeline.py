@@ -31,6 +31,7 @@ import torch
 
 import recsys_model
 from recsys_model.features import DESCRIPTION as TRANSFORMS
+from recsys_stack import verdict
 from training.data.loader import Arrays
 from training.errors import DataError
 from training.export import variants
@@ -138,6 +139,8 @@ def build_schema(
         },
         "data": data_record(cfg, meta, ecfg.unseen_data),
         "training_metrics": meta.get("metrics", {}),
+        # against its linear baseline (recsys_stack.verdict): make export and make serve warn
+        "quality": verdict.quality(meta.get("metrics", {}), f"{ecfg.name} v{ecfg.version}"),
         "parity": {"ok": parity["ok"], "forced": parity.get("forced", False), "auc": parity["auc"]},
         "versions": {"torch": torch.__version__},
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
