@@ -17,8 +17,9 @@ loop): evaluate (:class:`~training.metrics.evaluator.Evaluator`) and checkpoint
 the :class:`~training.metrics.monitor.Monitor`: one that improves ``train.monitor`` is saved as a
 checkpoint of its own (``train.keep_best``) and named ``checkpoints/best``, as Lightning's
 ``ModelCheckpoint(monitor=...)`` does; when early stopping's patience runs out the loop stops.
-The run ends with a final evaluation on the whole held-out split, completed by ``finish``
-(the baseline's figures, the run's warnings) before it is written, and a final checkpoint.
+The run ends with a final evaluation on the whole validation split and on the test split
+(training/metrics/evaluator.py), completed by ``finish`` (the baseline's figures, the run's
+warnings) before it is written, and a final checkpoint.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def run_schedule(
     finish: Finish = lambda record: None,
 ) -> None:
     """Step to ``loop.total`` (or an early stop), evaluating and checkpointing when due and at
-    each new best; then a final evaluation (on the whole eval split, completed by ``finish``)
-    and checkpoint unless the last step already had them."""
+    each new best; then a final evaluation (on the whole validation and test splits, completed
+    by ``finish``) and checkpoint unless the last step already had them."""
     progress = loop.progress
     while progress.step < loop.total and loop.step():
         at_end = progress.step >= loop.total
