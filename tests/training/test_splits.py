@@ -62,6 +62,19 @@ def test_the_split_settings_are_checked_in_one_line() -> None:
     assert "\n" not in str(e.value) and split_rows(20, 0.1, 0.5) == (18, 1, 1)
 
 
+def test_a_split_of_one_label_is_refused_in_one_line(tmp_path: Path) -> None:
+    tsv = tmp_path / "rows.tsv"  # the last 4 rows, validation and test, all clicks
+    tsv.write_text("".join(f"{int(i % 2 or i >= 16)}\t{i}" + "\t" * 12 + "\tab" * 26 + "\n"
+                           for i in range(20)))  # fmt: skip
+    cfg = DataConfig(path=str(tsv), eval_fraction=0.2, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError) as e:
+        prepare_data(cfg, rank=0, progress=False)
+    assert str(e.value) == (
+        "the validation split (rows 17..18 of 20) holds only label 1: its AUC is undefined; use "
+        "more rows or other data.eval_fraction (0.2) / data.valid_fraction (0.5)"
+    )
+
+
 def _rows(n: int, first: float) -> Arrays:
     """``n`` rows whose first dense value tells which split they are (``first``)."""
     dense = np.full((n, NUM_DENSE), first, np.float32)

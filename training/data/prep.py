@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 
 from training.config import DataConfig
@@ -151,4 +152,14 @@ def prepare_data(
         logger.info("data: %d train, %d validation, %d test rows from %s", n_train, n_valid,
                     n_test, info["source"])  # fmt: skip
     train, valid, test = (arrays.rows(*bounds[k]) for k in ("train", "valid", "test"))
+    for name, split in (("validation", valid), ("test", test)):  # an AUC needs both labels
+        labels = np.asarray(split.labels)
+        if labels.min() == labels.max():
+            lo, hi = bounds["valid" if name == "validation" else "test"]
+            raise DataError(
+                f"the {name} split (rows {lo + 1}..{hi} of {n}) holds only label "
+                f"{int(labels[0])}: its AUC is undefined; use more rows or other "
+                f"data.eval_fraction ({cfg.eval_fraction}) / data.valid_fraction "
+                f"({cfg.valid_fraction})"
+            )
     return Splits(train, valid, test, info)
