@@ -212,9 +212,9 @@ def fit_and_score(
 
 def judge(record: dict[str, Any], remedy: str = "") -> list[str]:
     """The warning of a record whose model does not beat its baseline on AUC or on NE (the
-    same rows), with what to try (``remedy``: the run's own, :func:`training.metrics.advice.
-    remedy`, which tells overfitting from undertraining); none without baseline figures. With
-    the paired test
+    same rows), with what to try (``remedy``: the run's own, which tells overfitting from
+    undertraining: :func:`training.metrics.advice.remedy`); none without baseline figures.
+    With the paired test
     (``vs_baseline``, :func:`paired`), the AUC must be ``ahead``: a lead within the noise of
     the rows is no lead."""
     keys = ("auc", "ne", "baseline_auc", "baseline_ne")
