@@ -140,7 +140,7 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate every K steps (0 = only at the end)."""
     eval_rows: int = 0
-    """Rows of the held-out split used by periodic evaluations (0 = all); the final uses all."""
+    """Rows of the validation split used by periodic evaluations (0 = all); the final uses all."""
     checkpoint_every: int = 0
     """Save a checkpoint every K steps (0 = only at the end)."""
     keep_last: int = 3
@@ -158,7 +158,7 @@ class TrainConfig:
     preparing data that ``--prepare-only`` did not) before it fails. A rank whose process dies
     is noticed at once (its connections close); this bounds the wait for one that hangs."""
     monitor: Literal["auc", "ne"] = "auc"
-    """Held-out metric that picks checkpoints/best and drives early stopping: auc (higher is
+    """Validation metric that picks checkpoints/best and drives early stopping: auc (higher is
     better) or ne (lower), each evaluation's on the same rows (the first train.eval_rows)."""
     keep_best: bool = True
     """Save a checkpoint at each evaluation that improves train.monitor and name it in
