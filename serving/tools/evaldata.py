@@ -236,6 +236,12 @@ def unseen_by(schema: dict[str, Any], window: Window, who: str) -> tuple[bool | 
     mine = [Path(p).resolve() for p in window.paths]
     if own is not None and _inside(window, own):
         return True, f"within the rows {who} never trained on"
+    valid = int(data.get("valid_rows") or 0)  # a batch run's validation rows, before its test
+    if own is not None and own.first >= valid > 0:
+        held = Window(own.paths, own.first - valid, own.count + valid)
+        if _inside(window, held):
+            return True, (f"within the rows {who} never trained on (its validation rows among "
+                          "them chose its checkpoint)")  # fmt: skip
     trained = data.get("trained_files") or data.get("files") or []
     for path in mine:
         if any(same(fingerprint(path), t) for t in trained):

@@ -153,6 +153,11 @@ def test_the_export_and_the_tools_default_to_the_test_rows(tmp_path: Path) -> No
     window = evaldata.model_window({"data": data}, "m v1", 0)
     assert (window.first, window.count) == (34, 6)  # make evaluate's default: rows 35..40
     assert window.describe().startswith(f"rows 35..40 of {tsv}")
+    # a rollout on the held-out rows (its --holdout of the file): never trained on, validation
+    # rows included, and said; one training row in them: trained on
+    held, why = evaldata.unseen_by({"data": data}, evaldata.Window([tsv], 30, 10), "m v1")
+    assert held is True and why.endswith("(its validation rows among them chose its checkpoint)")
+    assert evaldata.unseen_by({"data": data}, evaldata.Window([tsv], 29, 11), "m v1")[0] is False
     # an export of a run from before the test split: its whole held-out split, as before
     older = datafile.record([tsv], rows=40, skipped_rows=0, eval_fraction=0.25, eval_rows=10)
     assert (older["unseen"]["first_row"], older["unseen"]["rows"]) == (30, 10)
