@@ -11,7 +11,10 @@ and ``make rollout`` default to its **unseen** rows, those the model never train
       "rows": 20000,          the well-formed rows the trainer read, files in order
       "skipped_rows": 0,      malformed rows it skipped (data.on_bad_row = "skip")
       "eval_fraction": 0.1,   data.eval_fraction
-      "eval_rows": 2000,      the held-out split: the last eval_rows of the rows (0: none)
+      "eval_rows": 2000,      the held-out rows: the last eval_rows of the rows (0: none)
+      "valid_fraction": 0.5,  data.valid_fraction (runs with three splits)
+      "valid_rows": 1000,     the validation split: the first of the held-out rows
+      "test_rows": 1000,      the test split: the last test_rows of the rows
       "unseen": {             rows the model never trained on (null: none known)
         "files": [...],       fingerprints, as "files"
         "first_row": 18000,   0-based, among the files' non-empty lines (null: the last "rows")
@@ -22,7 +25,9 @@ and ``make rollout`` default to its **unseen** rows, those the model never train
       "trained_files": [...]  continuous training: every file it trained on (name, bytes,
     }                         sha256_ends), so another model's rows can be told seen or not
 
-A batch run's unseen rows are its held-out split; a continuous run's are the file that arrived
+A batch run's unseen rows are its test split (the held-out rows after its validation rows,
+which chose its checkpoint and early stopping: figures on them would be flattered), or its
+whole held-out split when it had no test split; a continuous run's are the file that arrived
 after the checkpoint, scored before any model trained on it. A record written before
 ``unseen`` existed gives its held-out split (:func:`unseen`).
 
@@ -85,12 +90,17 @@ def prints(files: Sequence[Path]) -> list[dict[str, Any]]:
 
 
 def record(
-    files: Sequence[Path], rows: int, skipped_rows: int, eval_fraction: float, eval_rows: int
-) -> dict[str, Any]:
-    """The schema's ``"data"`` entry, its held-out split (the last ``eval_rows``) as its
-    ``unseen`` rows (none when ``eval_rows`` is 0)."""
+    files: Sequence[Path], rows: int, skipped_rows: int, eval_fraction: float, eval_rows: int,
+    test_rows: int | None = None, valid_fraction: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The schema's ``"data"`` entry, its test split (the last ``test_rows``; without one, its
+    held-out split, the last ``eval_rows``) as its ``unseen`` rows (none when ``eval_rows``
+    is 0)."""
     data = {"files": prints(files), "rows": rows, "skipped_rows": skipped_rows,
             "eval_fraction": eval_fraction, "eval_rows": eval_rows}  # fmt: skip
+    if test_rows is not None and eval_rows:
+        data.update(valid_fraction=valid_fraction, valid_rows=eval_rows - test_rows,
+                    test_rows=test_rows)  # fmt: skip
     data["unseen"] = heldout_split(data) if eval_rows else None
     return data
 
@@ -106,10 +116,18 @@ def unseen_entry(
 
 
 def heldout_split(data: dict[str, Any]) -> dict[str, Any]:
-    """The held-out split of a record (its last ``eval_rows``), as an ``unseen`` entry."""
+    """The test split of a record (its last ``test_rows``), or of a record without one its
+    held-out split (its last ``eval_rows``), as an ``unseen`` entry."""
     first, count = heldout(data)
     fraction = data.get("eval_fraction")
     why = f"its held-out split, the last {count} rows (data.eval_fraction {fraction})"
+    if "test_rows" in data:
+        count = int(data["test_rows"])
+        first = None if first is None else first + int(data["eval_rows"]) - count
+        why = (f"its test split, the last {count} rows (data.eval_fraction {fraction}, "
+               f"data.valid_fraction {data.get('valid_fraction')}): no training decision saw "
+               f"them (the {data.get('valid_rows')} validation rows before them chose the "
+               "checkpoint)")  # fmt: skip
     return {"files": data["files"], "first_row": first, "rows": count, "at_end": True, "why": why}
 
 

@@ -127,7 +127,7 @@ def test_the_quickstart_notebook_runs(tmp_path: Path) -> None:
         next(ln for ln in score.splitlines() if ln.startswith("scores: "))[8:]
     )
     assert len(scores) == 5 and all(0.0 < s < 1.0 for s in scores), score
-    assert "unseen by dlrm-tiny" in score and "its held-out split" in score, score
+    assert "unseen by dlrm-tiny" in score and "its test split" in score, score
 
     calibration = tagged(nb, "calibration")
     shown = text(calibration)

@@ -36,7 +36,12 @@ class DataConfig:
     path: str = ""
     """Criteo TSV file or folder of day files; empty = the embedded synthetic set."""
     eval_fraction: float = 0.1
-    """Last fraction of rows held out for evaluation (time-ordered, like Criteo's last day)."""
+    """Last fraction of rows held out (time-ordered, like Criteo's last day), then split in two:
+    validation first (data.valid_fraction of them), test last."""
+    valid_fraction: float = 0.5
+    """Share of the held-out rows, their first part, for validation: periodic evaluations,
+    checkpoints/best, early stopping and sweeps. The rest is the test split, which only the
+    final report and `make evaluate` score, so no decision made on it flatters them."""
     on_bad_row: Literal["skip", "fail"] = "skip"
     """Malformed rows: skip with a warning (up to max_bad_rows) or fail on the first one."""
     max_bad_rows: int = 1000
@@ -135,7 +140,7 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate every K steps (0 = only at the end)."""
     eval_rows: int = 0
-    """Rows of the held-out split used by periodic evaluations (0 = all); the final uses all."""
+    """Rows of the validation split used by periodic evaluations (0 = all); the final uses all."""
     checkpoint_every: int = 0
     """Save a checkpoint every K steps (0 = only at the end)."""
     keep_last: int = 3
@@ -153,7 +158,7 @@ class TrainConfig:
     preparing data that ``--prepare-only`` did not) before it fails. A rank whose process dies
     is noticed at once (its connections close); this bounds the wait for one that hangs."""
     monitor: Literal["auc", "ne"] = "auc"
-    """Held-out metric that picks checkpoints/best and drives early stopping: auc (higher is
+    """Validation metric that picks checkpoints/best and drives early stopping: auc (higher is
     better) or ne (lower), each evaluation's on the same rows (the first train.eval_rows)."""
     keep_best: bool = True
     """Save a checkpoint at each evaluation that improves train.monitor and name it in
@@ -214,10 +219,8 @@ class Config:
         if not m.over_arch or m.over_arch[-1] != 1 or any(s < 1 for s in m.over_arch):
             raise ConfigError(f"model.over_arch = {m.over_arch}: positive sizes ending with 1")
         t = self.train
-        _positive("train.batch_size", t.batch_size)
-        _positive("train.epochs", t.epochs)
-        _positive("train.keep_last", t.keep_last)
-        _positive("train.collective_timeout", t.collective_timeout)
+        for name in ("batch_size", "epochs", "keep_last", "collective_timeout"):
+            _positive(f"train.{name}", getattr(t, name))
         for name in ("max_steps", "eval_every", "eval_rows", "checkpoint_every",
                      "early_stop_patience", "early_stop_min_delta"):  # fmt: skip
             if getattr(t, name) < 0:
@@ -231,19 +234,15 @@ class Config:
                               "in [10, 26]")]:  # fmt: skip
             if not ok:
                 raise ConfigError(f"baseline.{key} = {getattr(b, key)}: must be {want}")
-        if self.data.preprocess_processes < 0:
-            raise ConfigError(
-                f"data.preprocess_processes = {self.data.preprocess_processes}: "
-                "must be >= 0 (0 = one per core)"
-            )
-        if not 0.0 < self.data.eval_fraction < 1.0:
-            raise ConfigError(f"data.eval_fraction = {self.data.eval_fraction}: must be in (0, 1)")
-        valid_tables = {table_name(f) for f in SPARSE_NAMES}
+        if (procs := self.data.preprocess_processes) < 0:
+            raise ConfigError(f"data.preprocess_processes = {procs}: must be >= 0 (0: each core)")
+        for key in ("eval_fraction", "valid_fraction"):  # each split needs rows: prepare_data
+            if not 0.0 < getattr(self.data, key) < 1.0:
+                raise ConfigError(f"data.{key} = {getattr(self.data, key)}: must be in (0, 1)")
+        tables = sorted(table_name(f) for f in SPARSE_NAMES)
         for tname in self.sharding.tables:
-            if tname not in valid_tables:
-                raise ConfigError(
-                    f"sharding.tables.{tname}: no such table{suggest(tname, sorted(valid_tables))}"
-                )
+            if tname not in tables:
+                raise ConfigError(f"sharding.tables.{tname}: no such table{suggest(tname, tables)}")
 
 
 def _positive(name: str, value: int) -> None:

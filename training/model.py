@@ -1,13 +1,16 @@
 """The DLRM itself: TorchRec ``DLRM`` / ``DLRM_DCN`` with tables created on the ``meta`` device.
 
-The pure model (no loss, no optimizer) is what export loads; ``DLRMTrain`` adds the loss for
-training. Shapes: ``B`` batch, ``D`` = 13 dense features, ``F`` = 26 sparse features,
+The pure model (no loss, no optimizer) is what export loads; :class:`WeightedDLRMTrain` adds
+the loss for training. Shapes: ``B`` batch, ``D`` = 13 dense features, ``F`` = 26 sparse features,
 ``E`` embedding dim.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.nn import functional
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
 
@@ -51,9 +54,25 @@ def build_dlrm(cfg: ModelConfig, device: torch.device | str = "meta") -> DLRM:
     return DLRM(**common)
 
 
+class WeightedDLRMTrain(DLRMTrain):
+    """TorchRec's ``DLRMTrain`` with each row's loss weighted by the batch's ``weights``
+    (training/data/loader.py's ``WeightedBatch``): 0 for the rows that pad an epoch's last
+    batch, ``G / rows`` for its real ones, 1 in a full batch, where the loss is exactly
+    ``DLRMTrain``'s (the mean BCE-with-logits). Same parameters and state-dict keys."""
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``batch`` of B rows -> ``(loss, (loss, logits float32[B], labels float32[B]))``."""
+        logits = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
+        per_row = functional.binary_cross_entropy_with_logits(
+            logits, batch.labels.float(), reduction="none"
+        )
+        loss = (per_row * batch.weights).mean()
+        return loss, (loss.detach(), logits.detach(), batch.labels.detach())
+
+
 def build_train_model(cfg: ModelConfig, device: torch.device | str = "meta") -> DLRMTrain:
-    """``DLRMTrain`` owns the BCE-with-logits loss, so the wrapped DLRM stays exportable."""
-    return DLRMTrain(build_dlrm(cfg, device))
+    """The DLRM in :class:`WeightedDLRMTrain`, which owns the loss, so it stays exportable."""
+    return WeightedDLRMTrain(build_dlrm(cfg, device))
 
 
 SPARSE_PREFIX = "model.sparse_arch.embedding_bag_collection"

@@ -17,8 +17,9 @@ loop): evaluate (:class:`~training.metrics.evaluator.Evaluator`) and checkpoint
 the :class:`~training.metrics.monitor.Monitor`: one that improves ``train.monitor`` is saved as a
 checkpoint of its own (``train.keep_best``) and named ``checkpoints/best``, as Lightning's
 ``ModelCheckpoint(monitor=...)`` does; when early stopping's patience runs out the loop stops.
-The run ends with a final evaluation on the whole held-out split, completed by ``finish``
-(the baseline's figures, the run's warnings) before it is written, and a final checkpoint.
+The run ends with a final evaluation on the whole validation split and on the test split
+(training/metrics/evaluator.py), completed by ``finish`` (the baseline's figures, the run's
+warnings) before it is written, and a final checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from training.checkpoint.store import Progress, step_dir_name
+from training.data.loader import step_rows
 from training.metrics.log import MetricsLog
 from training.metrics.monitor import Monitor
 from training.metrics.window import Window, mean_over_ranks
@@ -58,6 +60,7 @@ class TrainLoop:
         log_every: int,
         loss_log: MetricsLog,
         bar: Any = None,
+        pad_last: bool = False,
     ) -> None:
         self.pipeline = pipeline
         self.batches = batches
@@ -68,6 +71,7 @@ class TrainLoop:
         self.log_every = log_every
         self.loss_log = loss_log
         self.bar = bar
+        self.pad_last = pad_last  # the stream's: an epoch's last rows padded, not left out
         self.window = Window()
 
     def step(self) -> bool:
@@ -76,14 +80,15 @@ class TrainLoop:
             loss = self.pipeline.progress(self.batches)[0]
         except StopIteration:
             return False
-        p, g = self.progress, self.batch_size
+        p, g, n = self.progress, self.batch_size, self.train_rows
+        rows = step_rows(p.rows_in_epoch, g, n, self.pad_last)  # the stream's rule
         p.step += 1
-        p.samples_seen += g
-        p.rows_in_epoch += g
-        if p.rows_in_epoch + g > self.train_rows:  # the stream drops the partial last batch
+        p.samples_seen += rows
+        p.rows_in_epoch += rows
+        if p.rows_in_epoch + (1 if self.pad_last else g) > n:  # the epoch's rows are done
             p.epoch, p.rows_in_epoch = p.epoch + 1, 0
         self.window.add_loss(p.step, loss)  # no device sync here (see the module docstring)
-        self.window.samples += g
+        self.window.samples += rows
         if self.bar is not None:
             self.bar.update(1)
         if p.step % self.log_every == 0 or p.step == self.total:
@@ -106,8 +111,8 @@ def run_schedule(
     finish: Finish = lambda record: None,
 ) -> None:
     """Step to ``loop.total`` (or an early stop), evaluating and checkpointing when due and at
-    each new best; then a final evaluation (on the whole eval split, completed by ``finish``)
-    and checkpoint unless the last step already had them."""
+    each new best; then a final evaluation (on the whole validation and test splits, completed
+    by ``finish``) and checkpoint unless the last step already had them."""
     progress = loop.progress
     while progress.step < loop.total and loop.step():
         at_end = progress.step >= loop.total

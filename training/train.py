@@ -5,9 +5,11 @@ data -> :func:`~training.trainer.build_trainer` (planner -> DMP with the embeddi
 fused into backward) -> :class:`~training.checkpoint.checkpointer.Checkpointer` restore -> the
 TorchRec train pipeline stepped by :class:`~training.step_loop.TrainLoop` in
 :func:`~training.step_loop.run_schedule`, with the :class:`~training.metrics.evaluator.Evaluator`
-(AUC/NE), the :class:`~training.metrics.monitor.Monitor` (the best checkpoint, early stopping)
-and the checkpointer called when due; the final record gets the linear baseline's figures
-(:mod:`training.metrics.baseline`) and the run's warnings. Gloo on CPU, NCCL on CUDA.
+(AUC/NE on the validation split), the :class:`~training.metrics.monitor.Monitor` (the best
+checkpoint, early stopping: validation) and the checkpointer called when due; the final record
+(the test split's figures, the validation split's under ``valid``: training/data/prep.py) gets
+the linear baseline's figures (:mod:`training.metrics.baseline`, scored on the test rows) and
+the run's warnings (:mod:`training.metrics.advice`). Gloo on CPU, NCCL on CUDA.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ from training.checkpoint.peers import EXIT_PEER_LOST, lost_peer
 from training.checkpoint.peers import message as peer_lost_message
 from training.config import Config, RunArgs, config_to_dict, parse_args
 from training.data.loader import Arrays, ReadLedger, TrainStream, epoch_order
-from training.data.prep import prepare_data
+from training.data.prep import Splits, prepare_data
 from training.errors import DataError, RecsysError
+from training.metrics import advice
 from training.metrics.baseline import fit_and_score
 from training.metrics.baseline import judge as judge_baseline
 from training.metrics.evaluator import Evaluator
@@ -94,7 +97,7 @@ def prepare(args: RunArgs) -> None:
     cfg = args.config
     train_arrays = prepare_data(
         cfg.data, rank=0, progress=args.progress, rows_per_table=cfg.model.rows()
-    )[0]
+    ).train
     check_batch(cfg.train.batch_size, len(train_arrays), args.world_size)
 
 
@@ -199,38 +202,8 @@ def make_loop(
         log_every=cfg.train.log_every,
         loss_log=loss_log,
         bar=bar,
+        pad_last=stream.pad_last,
     )
-
-
-def run_warnings(
-    record: dict[str, Any], progress: checkpoint.Progress, stream: TrainStream, cfg: Config
-) -> list[str]:
-    """What makes a finished run not worth serving, each said with what to do: a final NE
-    >= 1 (worse than predicting the eval rows' base rate), and more than 10% of the training
-    rows left out of each epoch (the last partial batch is dropped) when the run went through
-    its epochs (a ``train.max_steps`` stop is the user's choice)."""
-    out = []
-    ne, rows, batch = record.get("ne"), len(stream.arrays), cfg.train.batch_size
-    if ne is not None and math.isfinite(ne) and ne >= 1.0:
-        out.append(
-            f"final NE {ne:.3f} >= 1 on {record.get('eval_rows', 0):,} held-out rows "
-            f"(calibration {record.get('calibration', math.nan):.2f}): the model predicts worse "
-            "than the base click rate, it is not worth serving; train on more rows, more "
-            "epochs (ARGS='--train.epochs N') or a smaller train.batch_size"
-        )
-    unused = rows - stream.steps_per_epoch * batch
-    stopped = progress.step < cfg.train.epochs * stream.steps_per_epoch
-    if unused > 0.1 * rows and not stopped:
-        epochs = cfg.train.epochs
-        left = "were never trained" if epochs == 1 else f"were left out of each of {epochs} epochs"
-        out.append(
-            f"{unused:,} of {rows:,} training rows ({unused / rows:.0%}) {left}: "
-            f"{stream.steps_per_epoch} full batches of train.batch_size = {batch:,} fit and "
-            "the rest is dropped; set "
-            f"ARGS='--train.batch-size {suggest_batch(rows, batch // stream.local_batch)}' "
-            "to train on them"
-        )
-    return out
 
 
 def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[str, Any]:
@@ -242,9 +215,8 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
     if cfg.train.batch_size % world:  # before rank 0 prepares the data
         check_batch(cfg.train.batch_size, cfg.train.batch_size, world)
     resume_from, meta = preflight_checkpoint(args)
-    train_arrays, eval_arrays, data_info = prepare_data(
-        cfg.data, rank, progress=args.progress, rows_per_table=cfg.model.rows()
-    )
+    splits = prepare_data(cfg.data, rank, progress=args.progress, rows_per_table=cfg.model.rows())
+    train_arrays, data_info = splits.train, splits.info
     check_batch(cfg.train.batch_size, len(train_arrays), world)  # before the tables are built
     trainer = build_trainer(cfg, device)
     if rank == 0:  # 26 lines at the demo shape: the summary by default, the plan with -v
@@ -272,15 +244,18 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
 
     stream, total = train_stream(cfg, train_arrays, progress, rank, world, reads)
     metrics_log, loss_log = open_logs(run_dir, cfg, progress.step, rank)
-    evaluator = Evaluator(cfg, eval_arrays, metrics_log, rank, world)
+    evaluator = Evaluator(cfg, splits.valid, metrics_log, rank, world, test=splits.test)
     show_bar = rank == 0 and args.progress
     loop = make_loop(cfg, trainer, device, stream, progress, total, loss_log, show_bar)
 
     def finish(record: dict[str, Any]) -> None:  # the final record, before it is written
+        record["splits"] = data_info["splits"]  # the rows of each split (training/data/prep.py)
         if cfg.baseline.enabled and rank == 0:
-            scored = evaluator.scored[0] if evaluator.scored else None  # for the paired test
-            record.update(fit_baseline(cfg, stream, progress.step, evaluator.full, scored))
-        warnings = run_warnings(record, progress, stream, cfg) + judge_baseline(record)
+            record.update(fit_baseline(cfg, stream, progress.step, splits, evaluator.scored))
+        seen = advice.diagnose(evaluator.history, record, len(train_arrays))
+        remedy = advice.remedy(seen, record, cfg, run_dir)
+        warnings = advice.run_warnings(seen, record, cfg, run_dir)
+        warnings += judge_baseline(record, remedy)
         if warnings:
             record["warnings"] = warnings
 
@@ -298,18 +273,20 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
 
 
 def fit_baseline(
-    cfg: Config, stream: TrainStream, steps: int, held_out: Arrays, scored: Any = None
+    cfg: Config, stream: TrainStream, steps: int, splits: Splits, scored: list[Any]
 ) -> dict[str, Any]:
     """The baseline (:mod:`training.metrics.baseline`) fitted on the rows the model trained
     on (the first epoch's order, as far as ``steps`` went; later epochs reread them), scored
-    on ``held_out``, and against the model's ``scored`` (labels, probs) on those rows."""
-    rows = min(steps, stream.steps_per_epoch) * stream.global_batch
+    on the test rows, and against the model's ``scored`` ``[(labels, probs)]`` on them.
+    ``splits.valid`` holds the validation rows, for a baseline that tunes itself on them."""
     arrays = stream.arrays
     assert isinstance(arrays, Arrays), (
         "a batch run reads one dataset (rows are joined only by the continuous loop)"
     )
+    rows = min(min(steps, stream.steps_per_epoch) * stream.global_batch, len(arrays))
     order = epoch_order(len(arrays), cfg.train.seed, 0)[:rows]
-    return fit_and_score(arrays, order, held_out, cfg.baseline, scored)
+    paired = scored[0] if scored else None  # the model's test scores, for the paired test
+    return fit_and_score(arrays, order, splits.test, cfg.baseline, paired)
 
 
 def end_lines(final: dict[str, Any], run_dir: Path, cfg: Config) -> list[str]:
@@ -318,10 +295,10 @@ def end_lines(final: dict[str, Any], run_dir: Path, cfg: Config) -> list[str]:
     lines = [final["stopped_early"]] if final.get("stopped_early") else []
     best = final.get("best") or {}
     if best.get("step") not in (None, final.get("step")):
-        metric = best["monitor"]
-        last = final.get(f"subset_{metric}", final.get(metric, math.nan))
+        metric, valid = best["monitor"], final.get("valid") or final
+        last = valid.get(f"subset_{metric}", valid.get(metric, math.nan))
         lines.append(
-            f"best checkpoint: {run_dir / 'checkpoints' / best['checkpoint']} (eval "
+            f"best checkpoint: {run_dir / 'checkpoints' / best['checkpoint']} (validation "
             f"{metric.upper()} {best['value']:.4f} at step {best['step']}; the last, step "
             f"{final['step']}: {last:.4f}, on the same rows); export it: make export "
             f"PRESET={cfg.name} RUN={run_dir} CHECKPOINT=best"

@@ -2,8 +2,9 @@
 
 ``make score``, ``make evaluate`` and ``make rollout`` without ``DATA=`` take the rows the
 version's ``schema.json`` records as **unseen** by it (``data.unseen``,
-:mod:`recsys_stack.datafile`): a batch run's held-out split (the last ``eval_rows`` rows of its
-data: what the trainer evaluated on), a continuous run's next file (the one that arrived after
+:mod:`recsys_stack.datafile`): a batch run's test split (the last ``test_rows`` rows of its
+data: what the trainer's final report is of, and no decision of the run saw; a run from before
+the test split: its held-out rows), a continuous run's next file (the one that arrived after
 the checkpoint, scored before any model trained on it), each file checked against its recorded
 fingerprint, and the printed line says which and why. ``make score`` and ``make evaluate``
 take the served version's (``make serve``'s ``serve.json``: its plan's default, or the version
@@ -235,6 +236,12 @@ def unseen_by(schema: dict[str, Any], window: Window, who: str) -> tuple[bool | 
     mine = [Path(p).resolve() for p in window.paths]
     if own is not None and _inside(window, own):
         return True, f"within the rows {who} never trained on"
+    valid = int(data.get("valid_rows") or 0)  # a batch run's validation rows, before its test
+    if own is not None and own.first >= valid > 0:
+        held = Window(own.paths, own.first - valid, own.count + valid)
+        if _inside(window, held):
+            return True, (f"within the rows {who} never trained on (its validation rows among "
+                          "them chose its checkpoint)")  # fmt: skip
     trained = data.get("trained_files") or data.get("files") or []
     for path in mine:
         if any(same(fingerprint(path), t) for t in trained):

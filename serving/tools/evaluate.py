@@ -10,10 +10,11 @@ batches (``recsys.v1`` Score, ``--version`` selects a model version) with a prog
 AUC, normalized entropy, log loss and calibration (predicted CTR / actual CTR), and writes
 ``evaluation.json`` and ``calibration.png`` to ``--out`` (default ``reports/<timestamp>/``).
 
-``--holdout 0.1`` scores only the last tenth of a file given: the training run's held-out split
-when DATA is the file it trained on (``data.eval_fraction``, no malformed rows skipped), the
-rows the export's parity report is computed on (the default rows of a batch run's version are
-those already).
+``--holdout 0.05`` scores only the last twentieth of a file given: the training run's test split
+when DATA is the file it trained on (half of ``data.eval_fraction`` 0.1 with the default
+``data.valid_fraction``, no malformed rows skipped), the rows the export's parity report is
+computed on and no training decision saw (the default rows of a batch run's version are those
+already).
 Metrics use numpy only (no torch).
 """
 
@@ -60,8 +61,8 @@ class EvaluateConfig(ChannelConfig):
     out: Path | None = None
     """Report folder for evaluation.json and calibration.png (default reports/<timestamp>/)."""
     holdout: float = 0.0
-    """Score only the last fraction of ``data``'s rows (0.1 = a training run's held-out split
-    with the default data.eval_fraction); 0 = every row."""
+    """Score only the last fraction of ``data``'s rows (0.05 = a training run's test split
+    with the default data.eval_fraction and data.valid_fraction); 0 = every row."""
     rows: int = 0
     """Score at most this many rows (the first ones after ``holdout``, or of the unseen
     rows); 0 = all."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recsys_stack import verdict
 from recsys_stack.config import (
     ArgumentParser,
     ConfigError,
@@ -220,6 +221,15 @@ def _identity(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
         raise
 
 
+def lost_to_baseline(mar: Path) -> str | None:
+    """The warning of the archive ``mar``'s model when its training run recorded it losing
+    to its linear baseline (:mod:`recsys_stack.verdict`); None otherwise or unreadable."""
+    try:
+        return verdict.schema_warning(plan_io.read_mar_schema(mar))
+    except plan_io.PlanError:
+        return None
+
+
 def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -250,6 +260,9 @@ def start(cfg: ServeConfig) -> str:
         )
         if note:
             say(note)
+        lost = lost_to_baseline(ts.model_store / f"{served.model}-{served.default}.mar")
+        if lost:  # served all the same (the user's choice), but never without a word
+            say(f"WARNING: {lost}")
         # one generation past the plan a previous run left: generations only ever increase
         served = plan_io.update(plan_file, lambda _: served)
         t0 = time.monotonic()  # progress on stderr: the start takes 30-90 s on a busy machine

@@ -1,6 +1,6 @@
 """Defaults that follow the model: ``make score``, ``make evaluate`` and ``make rollout`` without
 ``DATA=`` take the rows the model never trained on (recorded in its schema.json by the export:
-the tiny batch run's held-out split; the rollout's, the candidate's, checked against the
+the tiny batch run's test split; the rollout's, the candidate's, checked against the
 default's record), say which and why, and refuse with one line when that data is gone or
 changed; a rollout on rows the served model scores near chance on is refused before anything
 changes. The Makefile's own targets against a real ``make serve`` of the tiny run's export.
@@ -36,7 +36,7 @@ PORT_VARS = ["INFERENCE", "MANAGEMENT", "METRICS", "GRPC_INFERENCE", "GRPC_MANAG
 
 def relocated(src: Path, out: Path, version: str, data: Path) -> None:
     """The archive ``src`` as ``version``, its schema's data record (and the unseen rows in it,
-    its held-out split) naming ``data``."""
+    its test split) naming ``data``."""
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w") as zout:
         manifest = json.loads(zin.read("MAR-INF/MANIFEST.json"))
         manifest["model"]["modelVersion"] = version
@@ -77,6 +77,7 @@ def test_score_evaluate_rollout_default_to_the_rows_the_model_never_trained_on(
     record = schema["data"]
     (trained_on,) = [Path(f["path"]) for f in record["files"]]
     assert trained_on.is_file() and record["eval_rows"] == 2000 and record["rows"] == 20000
+    assert record["test_rows"] == 1000  # the held-out rows' second half: what no choice saw
     data = tmp_path / "data" / trained_on.name  # the data, moved: this test may change it
     data.parent.mkdir()
     shutil.copy(trained_on, data)
@@ -87,7 +88,7 @@ def test_score_evaluate_rollout_default_to_the_rows_the_model_never_trained_on(
             shared_store / f"{MODEL}-1.0.mar", store / f"{MODEL}-{version}.mar", version, data
         )
     parity = json.loads((export / "parity.json").read_text())
-    s = np.load(export / "sample.npz")  # the first 1,000 held-out rows, their served scores
+    s = np.load(export / "sample.npz")  # the 1,000 test rows, their served scores
     served = schema["served_variant"]
 
     make = shutil.which("make")
@@ -106,24 +107,26 @@ def test_score_evaluate_rollout_default_to_the_rows_the_model_never_trained_on(
         print(target, proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
         return proc
 
-    why = "its held-out split, the last 2000 rows (data.eval_fraction 0.1)"
-    own = f"rows 18001..20000 of {data} (unseen by {MODEL} v1.0: {why})"
+    why = ("its test split, the last 1000 rows (data.eval_fraction 0.1, data.valid_fraction 0.5): "
+           "no training decision saw them (the 1000 validation rows before them chose the "
+           "checkpoint)")  # fmt: skip
+    own = f"rows 19001..20000 of {data} (unseen by {MODEL} v1.0: {why})"
     started = run("serve")
     try:
         assert started.returncode == 0, started.stderr
-        # make score: the first held-out rows of the model's own file, said on stderr
+        # make score: the first test rows of the model's own file, said on stderr
         scored = run("score", "ROWS=10")
         assert scored.returncode == 0, scored.stderr
-        assert f"scoring rows 18001..18010 of {data} (unseen by {MODEL} v1.0: " in scored.stderr
+        assert f"scoring rows 19001..19010 of {data} (unseen by {MODEL} v1.0: " in scored.stderr
         got = [float(line.split("\t")[1]) for line in scored.stdout.splitlines()[-10:]]
         np.testing.assert_allclose(got, s[f"probs_{served}"][:10], atol=1e-6)
-        # make evaluate: all 2,000 held-out rows, the export's parity AUC
+        # make evaluate: all 1,000 test rows, the export's parity AUC
         evaluated = run("evaluate")
         assert evaluated.returncode == 0, evaluated.stderr
         assert f"scoring {own}" in evaluated.stderr
-        assert f"2000 rows of {data} (the default version)" in evaluated.stdout
+        assert f"1000 rows of {data} (the default version)" in evaluated.stdout
         report = json.loads((tmp_path / "report" / "evaluation.json").read_text())
-        assert report["first_row"] == 18001 and report["rows"] == 2000
+        assert report["first_row"] == 19001 and report["rows"] == 1000
         assert abs(report["auc"] - parity["auc"][served]) <= 5e-4, (report, parity["auc"])
         # make rollout: evaluates on the candidate's unseen rows, new to the default too
         rolled = run("rollout", "VERSION=2.0", "ROLLOUT_ARGS=--steps 100 --drain-s 0 --no-progress")

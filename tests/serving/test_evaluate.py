@@ -22,12 +22,13 @@ from tests.stack import start_gateway, stop_gateway, wait_status
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TOKEN = "evaluate-token-" + "e" * 24
-PARITY_ROWS = 2000  # the tiny run's held-out split: 10% of 20,000 synthetic rows
+PARITY_ROWS = 1000  # the tiny run's test split: the last 5% of 20,000 synthetic rows
 
 
 @pytest.fixture(scope="module")
 def synthetic_tsv(trained: Path, data_dirs: list[str]) -> Path:
-    """The TSV the tiny model was trained on (its last 10% = the export's parity rows)."""
+    """The TSV the tiny model was trained on (its last 5%, its test split = the export's parity
+    rows)."""
     (folder,) = [re.search(r'"(.*)"', o)[1] for o in data_dirs if "synthetic_dir" in o]  # type: ignore[index]
     data = json.loads((trained / "config.json").read_text())["data"]  # other tests add sets here
     name = (
@@ -82,7 +83,7 @@ def test_held_out_rows_give_the_parity_auc(
     served = schema["served_variant"]
     out = tmp_path / "report"
     assert parity["rows"] == PARITY_ROWS
-    rc = evaluate.main(_args(gateway, "--data", str(synthetic_tsv), "--holdout", "0.1",
+    rc = evaluate.main(_args(gateway, "--data", str(synthetic_tsv), "--holdout", "0.05",
                              "--batch", str(PARITY_ROWS), "--out", str(out),
                              "--version", schema["model"]["version"]))  # fmt: skip
     assert rc == 0
@@ -104,7 +105,7 @@ def test_figures_match_the_exports_sample(
     sample = np.load(export / "sample.npz")
     y, p = sample["labels"], sample[f"probs_{served}"]
     n = len(y)
-    rc = evaluate.main(_args(gateway, "--data", str(synthetic_tsv), "--holdout", "0.1",
+    rc = evaluate.main(_args(gateway, "--data", str(synthetic_tsv), "--holdout", "0.05",
                              "--rows", str(n), "--batch", "300", "--out", str(tmp_path)))  # fmt: skip
     assert rc == 0
     report = json.loads((tmp_path / "evaluation.json").read_text())

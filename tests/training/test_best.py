@@ -186,11 +186,12 @@ def test_a_resume_brings_back_the_best_of_its_own_timeline(
 def test_the_end_of_a_run_names_the_stop_and_the_best_to_export(tmp_path: Path) -> None:
     cfg = load_config(TINY)
     best = {"step": 20, "monitor": "auc", "value": 0.74, "checkpoint": "step_00000020"}
-    final = {"step": 40, "auc": 0.71, "subset_auc": 0.72, "best": best, "stopped_early": "why"}
+    valid = {"auc": 0.71, "subset_auc": 0.72}  # the test rows' 0.69 is not compared
+    final = {"step": 40, "auc": 0.69, "valid": valid, "best": best, "stopped_early": "why"}
     stop, line = end_lines(final, tmp_path, cfg)
     assert stop == "why"
     assert line == (
-        f"best checkpoint: {tmp_path}/checkpoints/step_00000020 (eval AUC 0.7400 at step 20; "
+        f"best checkpoint: {tmp_path}/checkpoints/step_00000020 (validation AUC 0.7400 at step 20; "
         "the last, step 40: 0.7200, on the same rows); export it: make export PRESET=tiny "
         f"RUN={tmp_path} CHECKPOINT=best"
     )

@@ -23,7 +23,7 @@ def test_export_writes_variants_schema_parity_and_mar(exported: tuple[Path, Path
     export, store, report = exported
     schema = json.loads((export / "schema.json").read_text())
     parity = json.loads((export / "parity.json").read_text())
-    assert parity["ok"] and parity["rows"] == 2000  # tiny's whole eval split
+    assert parity["ok"] and parity["rows"] == 1000  # tiny's test split (half the held-out rows)
     assert parity["max_abs_diff"]["fp32"] <= 1e-6  # the streamed tables: the trained weights
     assert abs(parity["auc"]["int8"] - parity["auc"]["eager"]) <= 1e-3
     assert schema["features"]["sparse"][0] == "C1" and len(schema["features"]["dense"]) == 13
@@ -38,10 +38,13 @@ def test_export_writes_variants_schema_parity_and_mar(exported: tuple[Path, Path
     for variant in ("eager", "fp32", "int8"):
         assert abs(parity["auc"][variant] - at_step["auc"]) <= 1e-3, (variant, at_step)
     assert schema["training_metrics"]["auc"] == at_step["auc"]
-    # the rows it never trained on (the tools' defaults): its held-out split, parity's rows
+    # the rows it never trained on nor chose on (the tools' defaults): its test split, parity's
     unseen = schema["data"]["unseen"]
-    assert (unseen["first_row"], unseen["rows"], unseen["at_end"]) == (18000, 2000, True)
-    assert unseen["files"] == schema["data"]["files"] and "held-out split" in unseen["why"]
+    assert (unseen["first_row"], unseen["rows"], unseen["at_end"]) == (19000, 1000, True)
+    assert unseen["files"] == schema["data"]["files"] and "its test split" in unseen["why"]
+    assert (schema["data"]["valid_rows"], schema["data"]["test_rows"]) == (1000, 1000)
+    # its comparison with the linear baseline, for make export's and make serve's warning
+    assert schema["quality"]["vs_baseline"] == schema["training_metrics"]["vs_baseline"]
     import hashlib
 
     for variant in ("fp32", "fp16", "int8"):
@@ -75,7 +78,7 @@ def test_export_writes_variants_schema_parity_and_mar(exported: tuple[Path, Path
     assert "|ΔAUC| int8" in report
     # parity's cost: each model scored the rows once, printed; no latency loop unless asked
     assert set(parity["seconds"]) == {"eager", "fp32", "int8", "fp16"} and "latency" not in parity
-    assert "parity: 2,000 held-out rows, each model once (eager " in report
+    assert "parity: 1,000 held-out rows, each model once (eager " in report
     assert "latency not measured (--latency)" in report and "batch 512" not in report
     timings = json.loads((export / "timings.json").read_text())
     assert list(timings) == ["variants_s", "parity_s", "schema_s", "archive_s"]
@@ -285,7 +288,7 @@ def test_a_corrupt_table_fails_parity_and_exports_nothing_unless_forced(
     assert main(args) == 2
     errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
     print(errors)
-    assert len(errors) == 1 and "parity failed on 2000 rows" in errors[0], errors
+    assert len(errors) == 1 and "parity failed on 1000 rows" in errors[0], errors
     assert "|ΔAUC| int8 vs eager" in errors[0] and "(--force exports anyway)" in errors[0]
     assert "fp16" not in errors[0]  # the formats written right pass
     assert _store_listing(store) == [] and not (run / "export").exists()
@@ -309,14 +312,14 @@ def test_variants_this_machine_does_not_serve_are_checked_on_a_sample(
     proc = run_export(["--run-dir", str(run), "--model-store", str(tmp_path / "store"),
                        "--version", "1.0", "--unserved-parity-rows", "300"])  # fmt: skip
     # the report says which rows each AUC is on (fp16's looked like another model's)
-    assert "parity: 2,000 held-out rows (fp16 300), each model once" in proc.stdout
+    assert "parity: 1,000 held-out rows (fp16 300), each model once" in proc.stdout
     (fp16,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("fp16 ")]
     assert fp16.endswith("(on its first 300 rows: not served here)"), fp16
     parity = json.loads((run / "export" / "parity.json").read_text())
-    assert parity["rows"] == 2000 and parity["ok"]
+    assert parity["rows"] == 1000 and parity["ok"]
     assert parity["rows_by_variant"]["fp16"] == 300, parity["rows_by_variant"]
-    assert parity["rows_by_variant"]["int8"] == 2000
-    assert abs(parity["auc"]["fp16"] - parity["auc"]["eager"]) < 0.05  # on 300 rows vs 2,000
+    assert parity["rows_by_variant"]["int8"] == 1000
+    assert abs(parity["auc"]["fp16"] - parity["auc"]["eager"]) < 0.05  # on 300 rows vs 1,000
 
 
 def test_ctrl_c_ends_an_export_at_once_in_one_line_and_leaves_nothing(

@@ -4,8 +4,8 @@ Each node is a torchrun of its own (agent + rank) joined to the other by a c10d 
 free port, as two machines sharing the run directory and the data caches are. Three launches:
 
 - ``two_nodes``: ``make train-multinode`` without NODE_RANK (both nodes launched here), tiny
-  with C1 and C2 split by columns across the nodes, one whole epoch (70 steps), checkpoints at
-  30, 60 and 70 (all kept).
+  with C1 and C2 split by columns across the nodes, one whole epoch (71 steps: 70 full and
+  the last 80 rows padded), checkpoints at 30, 60 and 71 (all kept).
 - ``killed``: each node launched alone (``NODE_RANK=0`` and ``1``: what each machine runs) on
   fresh data folders, so that both nodes' ``--prepare-only`` race on them; it resumes
   ``two_nodes``'s step 30 for 3 epochs, and node 1 (its torchrun and its rank: the whole node)
@@ -40,7 +40,8 @@ from training.metrics.log import read_metrics
 pytestmark = pytest.mark.slow
 
 NODE_ARGS = ["--no-progress", "train.collective_timeout=30"]
-TRAIN_ROWS, GLOBAL_BATCH, STEPS_PER_EPOCH = 18_000, 256, 70  # tiny: 20,000 rows, 10% held out
+# tiny: 20,000 rows, 10% held out; 70 full steps an epoch and a 71st of 80 rows, padded
+TRAIN_ROWS, GLOBAL_BATCH, STEPS_PER_EPOCH = 18_000, 256, 71
 TIMEOUT_S = 30  # the rendezvous's join timeout and the collectives' timeout of these runs
 
 
@@ -143,15 +144,15 @@ def one_node(
 def test_two_nodes_train_and_checkpoint(two_nodes: tuple[Path, str]) -> None:
     run, output = two_nodes
     ckpts = run / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == "step_00000070"
-    assert sorted(p.name for p in ckpts.glob("step_*")) == [f"step_000000{s}" for s in (30, 60, 70)]
-    meta = read_meta(ckpts / "step_00000070")
+    assert (ckpts / "latest").read_text().strip() == "step_00000071"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == [f"step_000000{s}" for s in (30, 60, 71)]
+    meta = read_meta(ckpts / "step_00000071")
     assert meta["world_size"] == 2
-    assert plan(ckpts / "step_00000070")["t_C1"]["ranks"] == [0, 1]  # split across the nodes
+    assert plan(ckpts / "step_00000071")["t_C1"]["ranks"] == [0, 1]  # split across the nodes
     # Each launch's lines prefixed with its NODE_RANK; rank 0 (the one that logs) is on either.
     assert re.search(r"^\[node [01]\] .* INFO training: eval ", output, re.M), output[-3000:]
     final = read_metrics(run / "metrics.jsonl")[-1]
-    assert final["step"] == 70 and final["auc"] > 0.9 * final["oracle_auc"], final
+    assert final["step"] == 71 and final["auc"] > 0.9 * final["oracle_auc"], final
 
 
 def _digest_of(epoch: int, rows: np.ndarray) -> str:
@@ -160,26 +161,32 @@ def _digest_of(epoch: int, rows: np.ndarray) -> str:
 
 def test_each_rank_read_only_its_slice(two_nodes: tuple[Path, str]) -> None:
     # Every rank's reads as recorded in the last checkpoint: the epoch's order (the seed's
-    # permutation), each global batch cut in 2 halves, rank r reading half r of every one.
-    reads = read_meta(two_nodes[0] / "checkpoints" / "step_00000070")["reads"]
+    # permutation), each global batch cut in 2 halves, rank r reading half r of every one; the
+    # last 80 rows (18,000 mod 256), fewer than a rank's half, are rank 0's, padded.
+    reads = read_meta(two_nodes[0] / "checkpoints" / "step_00000071")["reads"]
     assert sorted(r["rank"] for r in reads) == [0, 1]
     assert sorted(r["node"] for r in reads) == [0, 1]  # one rank on each node
     order = np.random.default_rng([0, 0]).permutation(TRAIN_ROWS)
-    batches = order[: STEPS_PER_EPOCH * GLOBAL_BATCH].reshape(STEPS_PER_EPOCH, 2, -1)
+    full = (STEPS_PER_EPOCH - 1) * GLOBAL_BATCH
+    batches = order[:full].reshape(STEPS_PER_EPOCH - 1, 2, -1)
     for r in reads:  # the whole epoch, and only this rank's half of each batch
-        assert (r["from"], r["to"]) == ([0, 0], [0, STEPS_PER_EPOCH * GLOBAL_BATCH]), r
-        assert r["rows"] == STEPS_PER_EPOCH * GLOBAL_BATCH // 2
-        assert r["digest"] == _digest_of(0, batches[:, r["rank"]].ravel()), r
-    # Between them: each row of the split once, but the 80 (18,000 mod 256) the epoch drops.
+        mine = batches[:, r["rank"]].ravel()
+        mine = np.concatenate([mine, order[full:]]) if r["rank"] == 0 else mine
+        assert (r["from"], r["to"]) == ([0, 0], [0, TRAIN_ROWS]), r
+        assert r["rows"] == len(mine)
+        assert r["digest"] == _digest_of(0, mine), r
+    # Between them: each row of the split once, none left out.
     total = sum(int(r["digest"], 16) for r in reads) % 2**64
-    assert f"{total:016x}" == _digest_of(0, np.sort(batches.ravel()))
-    assert sum(r["rows"] for r in reads) == TRAIN_ROWS - TRAIN_ROWS % GLOBAL_BATCH
+    assert f"{total:016x}" == _digest_of(0, np.arange(TRAIN_ROWS))
+    assert sum(r["rows"] for r in reads) == TRAIN_ROWS
 
 
 def test_the_ledger_counts_what_each_rank_reads_across_epochs() -> None:
     # In process, 2 epochs of 5 steps: each rank's ledger is its halves of the batches, and
-    # the two add up to every (epoch, row) position of both epochs' batches once.
-    n, g = 43, 8  # 3 rows dropped per epoch
+    # the two add up to every (epoch, row) position of both epochs' batches once. The stream
+    # of the continuous loop (pad_last=False), which carries the last 3 rows of each file
+    # instead of padding them (a batch run's padded last batch: test_partial_batch.py).
+    n, g = 43, 8  # 3 rows left out per epoch
     arrays = Arrays(
         np.zeros(n, np.int8), np.zeros((n, 13), np.float32), np.zeros((n, 26), np.int64), None
     )
@@ -187,7 +194,7 @@ def test_the_ledger_counts_what_each_rank_reads_across_epochs() -> None:
     for rank in (0, 1):
         stream = TrainStream(
             arrays, global_batch=g, rank=rank, world_size=2, rows_per_table=[4] * 26,
-            seed=1, epochs=2,
+            seed=1, epochs=2, pad_last=False,
         )  # fmt: skip
         assert sum(1 for _ in stream) == 10
         ledgers.append(stream.reads)

@@ -334,8 +334,10 @@ def test_prepare_data_hashes_once_at_preprocessing(tmp_path: Path) -> None:
         synthetic_dir=str(tmp_path / "syn"),
         preprocess_processes=2,
     )
-    train, _, info = prepare_data(cfg, rank=0, progress=False, rows_per_table=TABLES)
-    raw, _, info_raw = prepare_data(cfg, rank=0, progress=False)
+    s = prepare_data(cfg, rank=0, progress=False, rows_per_table=TABLES)
+    train, info = s.train, s.info
+    s = prepare_data(cfg, rank=0, progress=False)
+    raw, info_raw = s.train, s.info
     assert info["binary"] != info_raw["binary"] and train.hashed_for == tuple(TABLES)
     assert train.sparse.dtype == np.int16 and raw.hashed_for is None
     assert int(np.asarray(raw.sparse).max()) > max(TABLES)  # raw ids: bigger than the tables
@@ -356,7 +358,8 @@ def test_same_size_new_content_with_the_mtime_kept_is_preprocessed_again(tmp_pat
     tsv = generate(SyntheticSpec(rows=600, seed=7), tmp_path / "clicks.tsv", progress=False)
     tsv.with_suffix(".prob.npy").unlink()  # rewritten rows: the old probabilities are wrong
     cfg = DataConfig(path=str(tsv), cache_dir=str(tmp_path / "cache"), preprocess_processes=1)
-    train, _, info = prepare_data(cfg, rank=0, progress=False)
+    s = prepare_data(cfg, rank=0, progress=False)
+    train, info = s.train, s.info
     labels = np.asarray(train.labels).copy()
     st = tsv.stat()
     flipped = [("1" if line[0] == "0" else "0") + line[1:] for line in tsv.read_text().split("\n")
@@ -364,10 +367,11 @@ def test_same_size_new_content_with_the_mtime_kept_is_preprocessed_again(tmp_pat
     tsv.write_text("\n".join(flipped) + "\n")  # the same size: one label character a row
     os.utime(tsv, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert (tsv.stat().st_size, tsv.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
-    again, _, info_again = prepare_data(cfg, rank=0, progress=False)
+    s = prepare_data(cfg, rank=0, progress=False)
+    again, info_again = s.train, s.info
     assert info_again["binary"] != info["binary"]  # a cache of its own, the old one left
     assert np.array_equal(np.asarray(again.labels), 1 - labels)  # the new rows, not the cache
-    info_same = prepare_data(cfg, rank=0, progress=False)[2]  # reused while unchanged
+    info_same = prepare_data(cfg, rank=0, progress=False).info  # reused while unchanged
     assert info_same["binary"] == info_again["binary"]
     os.utime(tsv)  # a new mtime, the same bytes (a plain copy): still the same cache
-    assert prepare_data(cfg, rank=0, progress=False)[2]["binary"] == info_again["binary"]
+    assert prepare_data(cfg, rank=0, progress=False).info["binary"] == info_again["binary"]

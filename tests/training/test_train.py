@@ -159,13 +159,15 @@ def test_trains_on_criteo_file_with_edge_cases(tmp_path: Path, data_dirs: list[s
             str(data),
             *data_dirs[:1],
             "train.batch_size=2",
-            "data.eval_fraction=0.3",
+            # 9 rows (labels 0 1 0 1 | 0 1 | 1 0 1): 4 to train, 2 validation, 3 test, each of
+            # the held-out splits with both labels (an AUC needs them)
+            "data.eval_fraction=0.55",
             "train.eval_every=0",
             "train.checkpoint_every=0",
         ],
         nproc=2,
     )
-    meta = json.loads((run / "checkpoints" / "step_00000003" / "meta.json").read_text())
+    meta = json.loads((run / "checkpoints" / "step_00000002" / "meta.json").read_text())
     report = meta["data"]["parse_report"]
     assert report["rows_ok"] == 9 and report["rows_bad"] == 1
     assert "criteo_edge_cases.tsv:" in proc.stderr  # the skipped row is named with file:line

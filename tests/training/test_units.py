@@ -154,7 +154,7 @@ def test_stream_sees_the_same_global_batches_on_any_world_size() -> None:
 
 
 def test_stream_resumes_mid_epoch_and_crosses_epochs() -> None:
-    arr = _arrays(50)  # 6 steps of 8 per epoch
+    arr = _arrays(50)  # 7 steps per epoch: 6 of 8 rows, then 2 rows padded to 8
     full = _global_batches(arr, world=1, steps=9)
     resumed = _global_batches(arr, world=2, steps=5, start_epoch=0, start_row=32)  # after step 4
     for a, b in zip(full[4:], resumed, strict=True):

@@ -116,9 +116,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(
             f"training.bench runs in one process, not {world}: run it without torchrun"
         )
-    train_arrays, _, data_info = prepare_data(
-        cfg.data, rank=0, progress=args.progress, rows_per_table=cfg.model.rows()
-    )
+    splits = prepare_data(cfg.data, rank=0, progress=args.progress, rows_per_table=cfg.model.rows())
+    train_arrays, data_info = splits.train, splits.info
     batch = cfg.train.batch_size
     if len(train_arrays) < batch:
         raise DataError(f"{len(train_arrays)} training rows cannot fill one batch of {batch}")

@@ -56,6 +56,7 @@ class TrainerStepper:
             total=total,
             log_every=cfg.train.log_every,
             loss_log=MetricsLog(Path(self.tmp.name) / "train_loss.jsonl", enabled=True),
+            pad_last=stream.pad_last,
         )
 
     def step(self) -> None:

@@ -83,10 +83,12 @@ def prune(run_dir: Path, keep_from: int) -> None:
 class FileStream(TrainStream):
     """A file's pass: the ``carried`` rows that open ``arrays`` (a :class:`Joined`) first, in
     a shuffled order of their own, then the file's rows in theirs; both seeded by the run's
-    seed and the file's number, the same on every rank and world size."""
+    seed and the file's number, the same on every rank and world size. Whole batches only:
+    the last rows, fewer than a batch, are carried into the next file's pass (not padded as a
+    batch run's epoch is: they still have a file to join)."""
 
     def __init__(self, arrays: Arrays | Joined, carried: int, **kwargs: Any) -> None:
-        super().__init__(arrays, **kwargs)
+        super().__init__(arrays, pad_last=False, **kwargs)
         self.carried = carried
 
     def order(self, epoch: int) -> np.ndarray:

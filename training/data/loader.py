@@ -6,6 +6,15 @@ each epoch shuffles the training rows with a seed of its own, and step ``s`` tak
 takes rows ``[r*G/W, (r+1)*G/W)`` of those. A checkpoint therefore only needs
 ``(epoch, rows_in_epoch)``, and a resume on another world size sees the same global batches.
 
+The last batch of an epoch, fewer than ``G`` rows, is **padded**, not dropped: each rank's
+share is filled up to ``G/W`` rows with padding rows (no ids, dense zeros) of weight 0, and
+the real rows are weighted ``G / rows`` so that the loss (:class:`WeightedBatch`,
+``training.model.WeightedDLRMTrain``), averaged over the ranks, is the mean over the batch's
+real rows, as a full batch's is. Every batch keeps the same shape on every rank (what the
+sharded input exchange and a compiled MLP want), and every training row is trained once an
+epoch (``samples_seen`` counts real rows). The continuous loop carries its last rows into the
+next file instead (``pad_last=False``: training/continuous/carry.py).
+
 Shapes: ``B`` local batch, ``D`` = 13 dense, ``F`` = 26 sparse features.
 """
 
@@ -95,16 +104,43 @@ class Joined:
 
 
 @dataclass
+class WeightedBatch(Batch):
+    """A torchrec ``Batch`` with a weight per row (float32[B]): 0 for padding rows, else the
+    factor that makes a padded last batch's loss the mean over its real rows (1 in a full
+    batch). ``to``/``pin_memory``/``record_stream`` keep it, as the pipeline calls them."""
+
+    weights: torch.Tensor
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> WeightedBatch:
+        moved = super().to(device, non_blocking=non_blocking)
+        weights = self.weights.to(device=device, non_blocking=non_blocking)
+        return WeightedBatch(moved.dense_features, moved.sparse_features, moved.labels, weights)
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        super().record_stream(stream)
+        self.weights.record_stream(stream)
+
+    def pin_memory(self) -> WeightedBatch:
+        pinned = super().pin_memory()
+        return WeightedBatch(pinned.dense_features, pinned.sparse_features, pinned.labels,
+                             self.weights.pin_memory())  # fmt: skip
+
+
+@dataclass
 class ModelBatch:
     """A trainer batch plus what evaluation needs beside it."""
 
-    batch: Batch
+    batch: WeightedBatch
     weights: torch.Tensor  # float32[B]; 0 marks padding rows
     prob: torch.Tensor | None  # float32[B] oracle probabilities
 
 
-def make_batch(arrays: Arrays | Joined, idx: np.ndarray, rows_per_table: np.ndarray) -> ModelBatch:
-    """Gather rows ``idx`` into a torchrec Batch: transformed dense, table rows in a KJT.
+def make_batch(
+    arrays: Arrays | Joined, idx: np.ndarray, rows_per_table: np.ndarray, pad: int = 0,
+    weight: float = 1.0,
+) -> ModelBatch:  # fmt: skip
+    """Gather rows ``idx`` into a torchrec Batch: transformed dense, table rows in a KJT; then
+    ``pad`` padding rows (no ids, dense zeros, label 0) of weight 0, the real rows ``weight``.
 
     The transforms are the artifact's own (``training.features``). Ids are hashed once: by
     preprocessing when the cache was built for these tables (``arrays.hashed_for``), else here
@@ -113,6 +149,16 @@ def make_batch(arrays: Arrays | Joined, idx: np.ndarray, rows_per_table: np.ndar
     """
     if isinstance(arrays, Joined):  # gathered from both parts first (sorted ``idx``)
         arrays, idx = arrays.take(idx), np.arange(len(idx))
+    if pad:  # padding rows touch no table row: an optimizer step moves none for them
+        got = arrays.take(idx)
+        arrays = Arrays(
+            np.concatenate([got.labels, np.zeros(pad, got.labels.dtype)]),
+            np.concatenate([got.dense, np.zeros((pad, got.dense.shape[1]), got.dense.dtype)]),
+            np.concatenate([got.sparse, np.full((pad, got.sparse.shape[1]), -1, got.sparse.dtype)]),
+            None if got.prob is None else np.concatenate([got.prob, np.zeros(pad, np.float32)]),
+            got.hashed_for,
+        )
+        idx = np.arange(len(idx) + pad)
     rows = torch.as_tensor(rows_per_table, dtype=torch.int64)
     if arrays.hashed_for is not None and list(arrays.hashed_for) != rows.tolist():
         raise ValueError(
@@ -129,11 +175,10 @@ def make_batch(arrays: Arrays | Joined, idx: np.ndarray, rows_per_table: np.ndar
         keys=SPARSE_NAMES, values=values, lengths=lengths.reshape(-1)
     )
     prob = None if arrays.prob is None else torch.from_numpy(arrays.prob[idx].astype(np.float32))
-    return ModelBatch(
-        batch=Batch(dense_features=dense, sparse_features=kjt, labels=labels),
-        weights=torch.ones(len(idx), dtype=torch.float32),
-        prob=prob,
-    )
+    weights = torch.full((len(idx),), weight, dtype=torch.float32)
+    if pad:
+        weights[len(idx) - pad :] = 0.0
+    return ModelBatch(batch=WeightedBatch(dense, kjt, labels, weights), weights=weights, prob=prob)
 
 
 def row_digest(positions: np.ndarray) -> int:
@@ -166,11 +211,12 @@ class ReadLedger:
     rows: int = 0
     digest: int = 0  # row_digest of the (epoch, row) positions read, summed mod 2^64
 
-    def add(self, epoch: int, row: int, global_batch: int, idx: np.ndarray, n: int) -> None:
-        """Rows ``idx`` (of ``n`` training rows) read for the batch at ``(epoch, row)``."""
+    def add(self, epoch: int, row: int, batch_rows: int, idx: np.ndarray, n: int) -> None:
+        """Rows ``idx`` (of ``n`` training rows) read for the batch of ``batch_rows`` rows (all
+        ranks) at ``(epoch, row)``."""
         if self.start is None:
             self.start = (epoch, row)
-        self.end = (epoch, row + global_batch)
+        self.end = (epoch, row + batch_rows)
         self.rows += len(idx)
         self.digest = (self.digest + row_digest(epoch * n + idx)) % 2**64
 
@@ -188,6 +234,12 @@ class ReadLedger:
         }
 
 
+def step_rows(row: int, global_batch: int, rows: int, pad_last: bool) -> int:
+    """Training rows in the step that begins at ``row`` of an epoch of ``rows``: a whole
+    batch, or with ``pad_last`` what is left of the epoch when less (module doc)."""
+    return min(global_batch, rows - row) if pad_last else global_batch
+
+
 def epoch_order(rows: int, seed: int, epoch: int) -> np.ndarray:
     """The order ``int64[rows]`` in which epoch ``epoch`` of a run seeded ``seed`` reads its
     training rows: what :class:`TrainStream` and the baseline
@@ -198,7 +250,9 @@ def epoch_order(rows: int, seed: int, epoch: int) -> np.ndarray:
 class TrainStream:
     """Endless-until-``epochs`` iterator of this rank's training batches (``Batch``).
 
-    Every batch handed out is counted in ``reads`` (:class:`ReadLedger`).
+    Every batch handed out is counted in ``reads`` (:class:`ReadLedger`). ``pad_last``: each
+    epoch's last rows, fewer than a batch, are a padded batch (module doc); False: they are
+    left out (the continuous loop carries them into the next file).
     """
 
     def __init__(
@@ -214,6 +268,7 @@ class TrainStream:
         start_epoch: int = 0,
         start_row: int = 0,
         reads: ReadLedger | None = None,
+        pad_last: bool = True,
     ) -> None:
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} is not divisible by {world_size} ranks")
@@ -227,10 +282,12 @@ class TrainStream:
         self.epoch = start_epoch
         self.row = start_row
         self.reads = ReadLedger(rank) if reads is None else reads
+        self.pad_last = pad_last
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.arrays) // self.global_batch
+        n, g = len(self.arrays), self.global_batch
+        return -(-n // g) if self.pad_last else n // g
 
     def order(self, epoch: int) -> np.ndarray:
         """Shuffled row order of ``epoch`` (the same on every rank and world size)."""
@@ -238,13 +295,16 @@ class TrainStream:
 
     def __iter__(self) -> Iterator[Batch]:
         while self.epoch < self.epochs:
-            perm = self.order(self.epoch)
-            while self.row + self.global_batch <= len(perm):
+            perm, g = self.order(self.epoch), self.global_batch
+            while self.row < len(perm) and (self.pad_last or self.row + g <= len(perm)):
+                real = step_rows(self.row, g, len(perm), self.pad_last)
                 lo = self.row + self.rank * self.local_batch
-                idx = np.sort(perm[lo : lo + self.local_batch])  # sorted: sequential reads
-                self.reads.add(self.epoch, self.row, self.global_batch, idx, len(perm))
-                self.row += self.global_batch
-                yield make_batch(self.arrays, idx, self.rows_per_table).batch
+                hi = min(lo + self.local_batch, self.row + real)
+                idx = np.sort(perm[lo:hi]) if hi > lo else np.zeros(0, np.int64)  # sorted reads
+                self.reads.add(self.epoch, self.row, real, idx, len(perm))
+                self.row += real
+                yield make_batch(self.arrays, idx, self.rows_per_table,
+                                 pad=self.local_batch - len(idx), weight=g / real).batch  # fmt: skip
             self.epoch += 1
             self.row = 0
 

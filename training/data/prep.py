@@ -1,4 +1,11 @@
-"""Data for a training run: synthetic or Criteo TSV -> cached binary shards -> train/eval splits.
+"""Data for a training run: synthetic or Criteo TSV -> cached binary shards -> three splits.
+
+The rows, in file order, are cut into **train**, **validation** and **test**: the last
+``data.eval_fraction`` of them are held out (time-ordered, like Criteo's last day), the first
+``data.valid_fraction`` of those are validation and the rest test. Every decision of a run
+(periodic evaluations, ``checkpoints/best``, early stopping, a sweep's choice) is made on
+validation; the final report, its baseline and ``make evaluate``'s default rows are the test
+rows, which no decision saw, so their figures are not flattered by the choices made on them.
 
 Rank 0 generates and preprocesses while the others wait; its outcome (or its error) is
 broadcast, so a bad file fails every rank at once with the same one-line message instead of
@@ -10,9 +17,11 @@ cache make the first one prepare while the others wait, then reuse what it wrote
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 
 from training.config import DataConfig
@@ -66,10 +75,38 @@ def _prepare_on_rank0(cfg: DataConfig, progress: bool, rows_per_table: list[int]
     return str(out_dir)
 
 
+@dataclass
+class Splits:
+    """A run's rows: ``train``, ``valid`` (decisions) and ``test`` (the final report), in
+    file order and disjoint; ``info``: the data description for the checkpoint (row counts,
+    ``splits``: each split's 0-based ``[first, first + rows)`` among the rows)."""
+
+    train: Arrays
+    valid: Arrays
+    test: Arrays
+    info: dict[str, Any]
+
+
+def split_rows(n: int, eval_fraction: float, valid_fraction: float) -> tuple[int, int, int]:
+    """``(train, valid, test)`` row counts of ``n`` rows (train first, test last); DataError,
+    in one line with the settings to change, when a split would be empty."""
+    held = round(n * eval_fraction)
+    valid = round(held * valid_fraction)
+    counts = (n - held, valid, held - valid)
+    if min(counts) < 1:
+        raise DataError(
+            f"{n} usable rows cannot be split into train, validation and test with "
+            f"data.eval_fraction={eval_fraction} and data.valid_fraction={valid_fraction} "
+            f"({counts[0]}, {counts[1]} and {counts[2]} rows; each split needs at least one): "
+            "use more rows or other fractions"
+        )
+    return counts
+
+
 def prepare_data(
     cfg: DataConfig, rank: int, progress: bool, rows_per_table: list[int] | None = None
-) -> tuple[Arrays, Arrays, dict[str, Any]]:
-    """Collective. Returns (train split, eval split, data description for the checkpoint).
+) -> Splits:
+    """Collective. The train, validation and test splits (module doc) and their description.
 
     ``rows_per_table`` (the model's ``model.rows()``): ids are hashed into these tables once, at
     preprocessing, and the cache is keyed by them; None keeps raw ids (a cache of its own).
@@ -96,20 +133,33 @@ def prepare_data(
         hashed_for=None if tables is None else tuple(tables),
     )
     n = len(arrays)
-    n_eval = round(n * cfg.eval_fraction)
-    if n_eval < 1 or n - n_eval < 1:
-        raise DataError(
-            f"{n} usable rows cannot be split into train and eval with "
-            f"data.eval_fraction={cfg.eval_fraction} (each split needs at least one row)"
-        )
+    n_train, n_valid, n_test = split_rows(n, cfg.eval_fraction, cfg.valid_fraction)
+    bounds = {"train": (0, n_train), "valid": (n_train, n_train + n_valid),
+              "test": (n_train + n_valid, n)}  # fmt: skip
     info = {
         "source": cfg.path or "synthetic",
         "binary": outcome[0][1],
         "rows": n,
-        "train_rows": n - n_eval,
-        "eval_rows": n_eval,
+        "train_rows": n_train,
+        "eval_rows": n_valid + n_test,  # the held-out rows, both splits
+        "valid_rows": n_valid,
+        "test_rows": n_test,
+        "valid_fraction": cfg.valid_fraction,
+        "splits": {k: {"first_row": lo, "rows": hi - lo} for k, (lo, hi) in bounds.items()},
         "parse_report": data.meta.parse_report,
     }
     if rank == 0:
-        logger.info("data: %d train rows, %d eval rows from %s", n - n_eval, n_eval, info["source"])
-    return arrays.rows(0, n - n_eval), arrays.rows(n - n_eval, n), info
+        logger.info("data: %d train, %d validation, %d test rows from %s", n_train, n_valid,
+                    n_test, info["source"])  # fmt: skip
+    train, valid, test = (arrays.rows(*bounds[k]) for k in ("train", "valid", "test"))
+    for name, split in (("validation", valid), ("test", test)):  # an AUC needs both labels
+        labels = np.asarray(split.labels)
+        if labels.min() == labels.max():
+            lo, hi = bounds["valid" if name == "validation" else "test"]
+            raise DataError(
+                f"the {name} split (rows {lo + 1}..{hi} of {n}) holds only label "
+                f"{int(labels[0])}: its AUC is undefined; use more rows or other "
+                f"data.eval_fraction ({cfg.eval_fraction}) / data.valid_fraction "
+                f"({cfg.valid_fraction})"
+            )
+    return Splits(train, valid, test, info)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from recsys_stack import config as shared
-from recsys_stack import logs
+from recsys_stack import logs, verdict
 from training.config import load_stage_config
 from training.errors import RecsysError
 from training.export.config import ExportConfig
@@ -74,7 +74,8 @@ def format_report(summary: dict[str, Any]) -> str:
         lines.append(
             f"{'ok  ' if c['ok'] else 'FAIL'} {c['check']} = {c['value']:.2e} (limit {c['limit']:.0e})"
         )
-    return "\n".join(lines)
+    lost = verdict.schema_warning(schema)  # last: what a user reads (schema.json: quality)
+    return "\n".join(lines + ([f"WARNING: {lost}"] if lost else []))
 
 
 def sampled_rows(parity: dict[str, Any]) -> dict[str, int]:

@@ -31,6 +31,7 @@ import torch
 
 import recsys_model
 from recsys_model.features import DESCRIPTION as TRANSFORMS
+from recsys_stack import verdict
 from training.data.loader import Arrays
 from training.errors import DataError
 from training.export import variants
@@ -64,7 +65,7 @@ LATENCY_BATCH = "100"  # the batch size variants are compared (and the CPU's fas
 
 def parity_arrays(ecfg: ExportConfig, train_cfg: Any) -> Arrays:
     """Rows the checkpoint did not train on: ``--eval-data``, ``--unseen-data`` or the run's
-    eval split, at most ``parity_rows``."""
+    test split, at most ``parity_rows``."""
     from training.data.binary import ensure_binary, load_binary
     from training.data.prep import prepare_data
 
@@ -78,7 +79,7 @@ def parity_arrays(ecfg: ExportConfig, train_cfg: Any) -> Arrays:
         data = load_binary(out_dir)
         arrays = Arrays(data.labels, data.dense, data.sparse, data.prob, tuple(tables))
     else:
-        arrays = prepare_data(train_cfg.data, 0, ecfg.progress, rows_per_table=tables)[1]
+        arrays = prepare_data(train_cfg.data, 0, ecfg.progress, rows_per_table=tables).test
     arrays = arrays.rows(0, min(len(arrays), ecfg.parity_rows))
     if len(arrays) == 0:
         raise DataError("the eval set is empty: parity needs held-out rows (see --eval-data)")
@@ -138,6 +139,8 @@ def build_schema(
         },
         "data": data_record(cfg, meta, ecfg.unseen_data),
         "training_metrics": meta.get("metrics", {}),
+        # against its linear baseline (recsys_stack.verdict): make export and make serve warn
+        "quality": verdict.quality(meta.get("metrics", {}), f"{ecfg.name} v{ecfg.version}"),
         "parity": {"ok": parity["ok"], "forced": parity.get("forced", False), "auc": parity["auc"]},
         "versions": {"torch": torch.__version__},
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

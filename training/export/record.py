@@ -2,8 +2,10 @@
 never saw (:mod:`recsys_stack.datafile` describes the fields; serving/tools/evaldata.py reads
 them for the defaults of ``make score``, ``make evaluate`` and ``make rollout``).
 
-* a **batch run** (``make train``) never trains on its held-out split, the last
-  ``data.eval_fraction`` of its rows: those are its unseen rows;
+* a **batch run** (``make train``) never trains on its held-out rows, the last
+  ``data.eval_fraction`` of its rows; its validation rows (their first part) chose its
+  checkpoint and early stopping, so its unseen rows are the rest, its test split (a run from
+  before the test split: all its held-out rows);
 * a **continuous run** trains on every row of each file it consumes, so it has no held-out
   split; its unseen rows are a file given with ``--unseen-data`` (the loop passes the file that
   arrived after the checkpoint, before any model trained on it), and ``trained_files`` lists
@@ -39,7 +41,9 @@ def data_record(cfg: Any, meta: dict[str, Any], unseen: Path | None = None) -> d
     ledger = meta.get("continuous")
     # a continuous checkpoint trained every row of its files (older ones recorded no eval_rows)
     eval_rows = 0 if ledger else int(info.get("eval_rows", round(rows * cfg.data.eval_fraction)))
-    data = datafile.record(files, rows, skipped, cfg.data.eval_fraction, eval_rows)
+    test = None if ledger or "test_rows" not in info else int(info["test_rows"])
+    data = datafile.record(files, rows, skipped, cfg.data.eval_fraction, eval_rows, test,
+                           info.get("valid_fraction"))  # fmt: skip
     if ledger:
         data["trained_files"] = [
             {"name": f["file"], **f["content"]}

@@ -210,9 +210,11 @@ def fit_and_score(
     return out
 
 
-def judge(record: dict[str, Any]) -> list[str]:
+def judge(record: dict[str, Any], remedy: str = "") -> list[str]:
     """The warning of a record whose model does not beat its baseline on AUC or on NE (the
-    same rows), with what to try; none without baseline figures. With the paired test
+    same rows), with what to try (``remedy``: the run's own, which tells overfitting from
+    undertraining: :func:`training.metrics.advice.remedy`); none without baseline figures.
+    With the paired test
     (``vs_baseline``, :func:`paired`), the AUC must be ``ahead``: a lead within the noise of
     the rows is no lead."""
     keys = ("auc", "ne", "baseline_auc", "baseline_ne")
@@ -238,6 +240,7 @@ def judge(record: dict[str, Any]) -> list[str]:
     return [
         "the model does not beat a hashed logistic regression fitted on its training rows "
         f"({', '.join(lost)}, on the same {record.get('eval_rows', 0):,} held-out rows): it "
-        "does not earn its cost; train on more rows or epochs (ARGS='--train.epochs N'), try "
-        "other learning rates (optim.dense_lr, optim.embedding_lr) or model sizes (model.*)"
-    ]
+        "does not earn its cost; "
+        + (remedy or "train on more rows or epochs (ARGS='--train.epochs N'), try other "
+           "learning rates (optim.dense_lr, optim.embedding_lr) or model sizes (model.*)")
+    ]  # fmt: skip

@@ -2,9 +2,10 @@
 and ``EarlyStopping(patience, min_delta)`` for :func:`training.step_loop.run_schedule`.
 
 :class:`Monitor` reads one figure of each evaluation record, ``train.monitor`` (``auc``: higher
-is better; ``ne``: lower), on the same held-out rows every time: periodic evaluations score
-the first ``train.eval_rows`` rows of the split, and the final one, on all of them, also
-carries its figure on those rows (``subset_auc``, ``subset_ne``), which is what is compared.
+is better; ``ne``: lower), on the same validation rows every time: periodic evaluations
+score the first ``train.eval_rows`` rows of the validation split, and the final one, on all of
+them, also carries its figure on those rows (``valid.subset_auc``, ``valid.subset_ne``), which
+is what is compared; the final record's own figures are the test rows', never compared.
 An improvement, however small, makes a record the best (the schedule then saves a checkpoint
 of it and names it in ``checkpoints/best``); early stopping counts the evaluations since the
 last improvement of at least ``train.early_stop_min_delta`` and stops after
@@ -42,8 +43,10 @@ class Monitor:
         return cls(t.monitor, t.early_stop_patience, t.early_stop_min_delta, t.keep_best)
 
     def value(self, record: dict[str, Any]) -> float | None:
-        """The record's figure on the periodic evaluations' rows (None: not a number)."""
-        v = record.get(f"subset_{self.metric}", record.get(self.metric))
+        """The record's figure on the periodic evaluations' rows, of the validation split
+        (a final record's ``valid``); None: not a number."""
+        src = record.get("valid") or record
+        v = src.get(f"subset_{self.metric}", src.get(self.metric))
         return float(v) if isinstance(v, int | float) and math.isfinite(v) else None
 
     def _better(self, a: float, b: float, delta: float = 0.0) -> bool:

@@ -1,8 +1,9 @@
 """Plot a run's learning curves: ``python -m training.metrics.plot runs/demo`` ->
 ``runs/demo/curves.png``.
 
-Left: training loss per logged step. Right: eval AUC against the oracle AUC (the Bayes limit,
-synthetic data only), the linear baseline's AUC (the final record's, when it was fitted) and NE.
+Left: training loss per logged step. Right: the validation AUC of every evaluation against the
+oracle AUC (the Bayes limit, synthetic data only) and its NE, the final test AUC (the report:
+rows no decision saw) and the linear baseline's on the same test rows (when it was fitted).
 A short run's few points are drawn as markers (one logged step is a line of no length).
 """
 
@@ -49,15 +50,20 @@ def figure(run_dir: Path) -> Any:
     ax_loss.set(title="training loss (BCE)", xlabel="step", ylabel="loss")
     ax_loss.grid(alpha=0.3)
     steps = [r["step"] for r in evals]
-    ax_auc.plot(steps, [r["auc"] for r in evals], "o-", label="model AUC")
-    if all("oracle_auc" in r for r in evals) and evals:
-        ax_auc.plot(steps, [r["oracle_auc"] for r in evals], "--", label="oracle AUC (Bayes limit)")
+    valid = [r.get("valid") or r for r in evals]  # a final record's validation figures
+    ax_auc.plot(steps, [v["auc"] for v in valid], "o-", label="validation AUC")
+    if all("oracle_auc" in v for v in valid) and evals:
+        ax_auc.plot(steps, [v["oracle_auc"] for v in valid], "--", label="oracle AUC (Bayes limit)")
+    test = [r for r in evals if r.get("split") == "test"]
+    if test:
+        ax_auc.plot([r["step"] for r in test], [r["auc"] for r in test], "*", ms=12, color="C2",
+                    label="test AUC (the report)")  # fmt: skip
     baseline = [r["baseline_auc"] for r in evals if "baseline_auc" in r]
     if baseline:
-        ax_auc.axhline(baseline[-1], ls="-.", color="C3", label="linear baseline AUC")
-    ax_auc.set(title="held-out evaluation", xlabel="step", ylabel="AUC")
+        ax_auc.axhline(baseline[-1], ls="-.", color="C3", label="linear baseline AUC (test)")
+    ax_auc.set(title="evaluation", xlabel="step", ylabel="AUC")
     ax_ne = ax_auc.twinx()
-    ax_ne.plot(steps, [r["ne"] for r in evals], "s:", color="gray", label="NE")
+    ax_ne.plot(steps, [v["ne"] for v in valid], "s:", color="gray", label="validation NE")
     ax_ne.set_ylabel("normalized entropy")
     lines = ax_auc.get_legend_handles_labels()
     ne_lines = ax_ne.get_legend_handles_labels()
