@@ -40,10 +40,16 @@ def test_the_objective_prefers_validation_records_and_takes_the_last() -> None:
     split = [
         {"step": 6, "auc": 0.71, "split": "valid", "auc_ci": [0.6, 0.8]},
         {"step": 12, "auc": 0.73, "split": "valid"},
-        {"step": 12, "auc": 0.99, "split": "test", "final": True},
+        {
+            "step": 12,
+            "auc": 0.99,
+            "split": "test",
+            "final": True,  # the trainer's final record
+            "valid": {"auc": 0.74, "auc_ci": [0.7, 0.78], "eval_rows": 1000},
+        },
     ]
-    assert runner.trial_value(split)["auc"] == 0.73  # never the test rows
-    assert [r["auc"] for r in runner.valid_records(split)] == [0.71, 0.73]
+    assert runner.trial_value(split)["auc"] == 0.74  # the whole validation split; never test
+    assert [r["auc"] for r in runner.valid_records(split)] == [0.71, 0.73, 0.74]
     assert runner.on_test(split) == {"auc": 0.99}
     assert runner.trial_value([{"step": 1, "loss": 0.5}]) is None
 

@@ -28,11 +28,21 @@ KILL_GRACE_S = 10.0
 
 def valid_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The evaluation records a sweep decides on: those of the validation split
-    (``"split": "valid"``) when the trainer writes them, else every record without a split
-    (a trainer with one held-out split evaluates on it). Records without an AUC are skipped."""
-    records = [r for r in records if isinstance(r.get("auc"), int | float)]
-    valid = [r for r in records if r.get("split") == "valid"]
-    return valid or [r for r in records if "split" not in r]
+    (``"split": "valid"``: the periodic ones, on ``train.eval_rows`` of it, and the final
+    record's ``valid``, on all of it, with that record's step) when the trainer writes them,
+    else every record without a split (a trainer with one held-out split evaluates on it); a
+    final record's top-level figures are the test split's, never decided on. Records without
+    an AUC are skipped."""
+    valid = []
+    for r in records:
+        if r.get("split") == "test" and isinstance(r.get("valid"), dict):
+            r = {**r["valid"], "step": r.get("step"), "samples_seen": r.get("samples_seen"),
+                 "split": "valid"}  # fmt: skip
+        if r.get("split") == "valid" and isinstance(r.get("auc"), int | float):
+            valid.append(r)
+    return valid or [
+        r for r in records if "split" not in r and isinstance(r.get("auc"), int | float)
+    ]
 
 
 def trial_value(records: list[dict[str, Any]]) -> dict[str, Any] | None:
