@@ -44,8 +44,8 @@ from training.config import Config, RunArgs, config_to_dict, parse_args
 from training.data.loader import Arrays, ReadLedger, TrainStream, epoch_order
 from training.data.prep import prepare_data
 from training.errors import DataError, RecsysError
-from training.metrics.baseline import fit_and_score
-from training.metrics.baseline import judge as judge_baseline
+from training.metrics.baseline_search import fit_and_score
+from training.metrics.baseline_search import judge as judge_baseline
 from training.metrics.evaluator import Evaluator
 from training.metrics.log import MetricsLog
 from training.metrics.monitor import Monitor
@@ -300,16 +300,22 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
 def fit_baseline(
     cfg: Config, stream: TrainStream, steps: int, held_out: Arrays, scored: Any = None
 ) -> dict[str, Any]:
-    """The baseline (:mod:`training.metrics.baseline`) fitted on the rows the model trained
-    on (the first epoch's order, as far as ``steps`` went; later epochs reread them), scored
-    on ``held_out``, and against the model's ``scored`` (labels, probs) on those rows."""
+    """The baselines (:mod:`training.metrics.baseline_search`) fitted on the rows the model
+    trained on (the first epoch's order, as far as ``steps`` went), tuned on validation rows,
+    scored on test rows, against the model's ``scored`` (labels, probs) on those."""
     rows = min(steps, stream.steps_per_epoch) * stream.global_batch
     arrays = stream.arrays
     assert isinstance(arrays, Arrays), (
         "a batch run reads one dataset (rows are joined only by the continuous loop)"
     )
     order = epoch_order(len(arrays), cfg.train.seed, 0)[:rows]
-    return fit_and_score(arrays, order, held_out, cfg.baseline, scored)
+    # MERGE(h-split): the run's validation and test splits (the model scored on test) go
+    # here; until then the held-out rows' first half validates, the second half tests.
+    half = len(held_out) // 2
+    valid, test = held_out.rows(0, half), held_out.rows(half, len(held_out))
+    if scored is not None:
+        scored = tuple(a[half:] for a in scored)
+    return fit_and_score(arrays, order, valid, test, cfg.baseline, scored)
 
 
 def end_lines(final: dict[str, Any], run_dir: Path, cfg: Config) -> list[str]:
