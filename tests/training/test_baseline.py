@@ -132,3 +132,13 @@ def test_inverted_labels_are_not_a_training_problem() -> None:
     record = {"auc": 0.27, "ne": 1.6, "baseline_auc": 0.31, "baseline_ne": 1.2, "eval_rows": 2_000}
     (warning,) = baseline.judge(record)
     assert "labels look inverted" in warning and "train on more" not in warning, warning
+
+
+def test_the_judgement_quotes_the_paired_tests_rows() -> None:
+    """The AUCs in the warning are those of the rows both were scored on (the paired test's),
+    not the model's figure on other rows."""
+    record = {"auc": 0.8047, "ne": 0.80, "eval_rows": 2_000, "baseline_auc": 0.7876,
+              "baseline_ne": 0.82, "vs_baseline": "within noise", "vs_baseline_auc": 0.0055,
+              "vs_baseline_ci": [-0.0129, 0.0239]}  # fmt: skip
+    (warning,) = baseline.judge(record)
+    assert "AUC 0.7931 vs 0.7876: within noise, +0.0055 with a 95% interval" in warning, warning

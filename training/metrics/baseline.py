@@ -226,7 +226,8 @@ def judge(record: dict[str, Any]) -> list[str]:
     verdict = record.get("vs_baseline")
     if verdict in ("behind", "within noise"):
         lo, hi = record.get("vs_baseline_ci") or (math.nan, math.nan)
-        lost = [f"AUC {auc:.4f} vs {b_auc:.4f}: {verdict}, {auc - b_auc:+.4f} with a 95% "
+        delta = float(record.get("vs_baseline_auc", auc - b_auc))  # the paired test's rows
+        lost = [f"AUC {b_auc + delta:.4f} vs {b_auc:.4f}: {verdict}, {delta:+.4f} with a 95% "
                 f"interval [{lo:+.4f}, {hi:+.4f}] (DeLong, paired)"]  # fmt: skip
     else:
         lost = [f"AUC {auc:.4f} vs {b_auc:.4f}"] if verdict != "ahead" and not auc > b_auc else []
