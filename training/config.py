@@ -23,6 +23,7 @@ from recsys_stack import config as shared
 from recsys_stack.typed import suggest
 from training.errors import ConfigError
 from training.features import NUM_SPARSE, SPARSE_NAMES, table_name
+from training.metrics.baseline_config import BaselineConfig
 
 T = TypeVar("T")
 ShardingType = Literal[
@@ -171,19 +172,6 @@ class TrainConfig:
 
 
 @dataclass
-class BaselineConfig:
-    enabled: bool = True
-    """After the last step, fit a hashed logistic regression on the model's training rows and
-    report its AUC and NE on the final evaluation's rows, warning when the model loses to it."""
-    hash_bits: int = 20
-    """Its weights: 2^hash_bits, each (field, value) pair hashed into one (dense: log buckets)."""
-    learning_rate: float = 0.1
-    """AdaGrad's learning rate."""
-    passes: int = 1
-    """Passes over the training rows, in the order of the model's first epoch."""
-
-
-@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -228,12 +216,7 @@ class Config:
         if t.early_stop_patience and not t.eval_every:
             raise ConfigError("train.early_stop_patience needs evaluations to compare: set "
                               "train.eval_every (e.g. train.eval_every=500)")  # fmt: skip
-        b = self.baseline
-        for key, ok, want in [("passes", b.passes >= 1, ">= 1"), ("learning_rate",
-                              b.learning_rate > 0, "> 0"), ("hash_bits", 10 <= b.hash_bits <= 26,
-                              "in [10, 26]")]:  # fmt: skip
-            if not ok:
-                raise ConfigError(f"baseline.{key} = {getattr(b, key)}: must be {want}")
+        self.baseline.check()
         if (procs := self.data.preprocess_processes) < 0:
             raise ConfigError(f"data.preprocess_processes = {procs}: must be >= 0 (0: each core)")
         for key in ("eval_fraction", "valid_fraction"):  # each split needs rows: prepare_data

@@ -47,8 +47,8 @@ from training.data.loader import Arrays, ReadLedger, TrainStream, epoch_order
 from training.data.prep import Splits, prepare_data
 from training.errors import DataError, RecsysError
 from training.metrics import advice
-from training.metrics.baseline import fit_and_score
-from training.metrics.baseline import judge as judge_baseline
+from training.metrics.baseline_search import fit_and_score
+from training.metrics.baseline_search import judge as judge_baseline
 from training.metrics.evaluator import Evaluator
 from training.metrics.log import MetricsLog
 from training.metrics.monitor import Monitor
@@ -275,10 +275,10 @@ def train(args: RunArgs, rank: int, world: int, device: torch.device) -> dict[st
 def fit_baseline(
     cfg: Config, stream: TrainStream, steps: int, splits: Splits, scored: list[Any]
 ) -> dict[str, Any]:
-    """The baseline (:mod:`training.metrics.baseline`) fitted on the rows the model trained
-    on (the first epoch's order, as far as ``steps`` went; later epochs reread them), scored
-    on the test rows, and against the model's ``scored`` ``[(labels, probs)]`` on them.
-    ``splits.valid`` holds the validation rows, for a baseline that tunes itself on them."""
+    """The baselines (:mod:`training.metrics.baseline_search`) fitted on the rows the model
+    trained on (the first epoch's order, as far as ``steps`` went; later epochs reread them),
+    tuned on the validation rows, scored on the test rows, against the model's ``scored``
+    ``[(labels, probs)]`` on them."""
     arrays = stream.arrays
     assert isinstance(arrays, Arrays), (
         "a batch run reads one dataset (rows are joined only by the continuous loop)"
@@ -286,7 +286,7 @@ def fit_baseline(
     rows = min(min(steps, stream.steps_per_epoch) * stream.global_batch, len(arrays))
     order = epoch_order(len(arrays), cfg.train.seed, 0)[:rows]
     paired = scored[0] if scored else None  # the model's test scores, for the paired test
-    return fit_and_score(arrays, order, splits.test, cfg.baseline, paired)
+    return fit_and_score(arrays, order, splits.valid, splits.test, cfg.baseline, paired)
 
 
 def end_lines(final: dict[str, Any], run_dir: Path, cfg: Config) -> list[str]:

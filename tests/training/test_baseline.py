@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from recsys_stack.metrics import normalized_entropy
-from training.config import BaselineConfig
 from training.data.loader import Arrays
 from training.features import NUM_DENSE, NUM_SPARSE
-from training.metrics import baseline
+from training.metrics import baseline, baseline_search
+from training.metrics.baseline_config import BaselineConfig
 from training.metrics.log import EvalMetrics
 
 
@@ -31,18 +31,20 @@ def planted(n: int, seed: int) -> Arrays:
 
 
 def test_it_learns_a_linear_signal_deterministically() -> None:
-    train, held_out = planted(20_000, seed=1), planted(5_000, seed=2)
+    train, valid, test = planted(20_000, seed=1), planted(3_000, seed=3), planted(5_000, seed=2)
     order = np.random.default_rng(0).permutation(len(train))
     cfg = BaselineConfig(hash_bits=16)
-    first = baseline.fit_and_score(train, order, held_out, cfg)
-    again = baseline.fit_and_score(train, order, held_out, cfg)
+    first = baseline_search.fit_and_score(train, order, valid, test, cfg)
+    again = baseline_search.fit_and_score(train, order, valid, test, cfg)
     assert first["baseline_auc"] > 0.75 and first["baseline_ne"] < 0.85, first
-    for key in ("baseline_auc", "baseline_ne"):  # the same rows, the same order: the same bits
+    for key in ("baseline_auc", "baseline_ne", "baseline_l2"):  # the same rows: the same bits
         assert first[key] == again[key]
-    assert first["baseline_train_rows"] == 20_000 and first["baseline_seconds"] < 30
-    # a pass over only a tenth of the rows learns less: it sees what it is given
-    few = baseline.fit_and_score(train, order[:2_000], held_out, cfg)
-    assert few["baseline_auc"] < first["baseline_auc"]
+    assert first["baseline_train_rows"] == 20_000 and first["baseline_seconds"] < 120
+    assert (first["baseline_valid_rows"], first["baseline_test_rows"]) == (3_000, 5_000)
+    assert first["baseline_l2"] in [t["l2"] for t in first["baseline_search"]]
+    # a tenth of the rows learns less: it sees what it is given
+    few = baseline_search.fit_and_score(train, order[:2_000], valid, test, cfg)
+    assert few["baseline_auc"] < first["baseline_auc"] and few["baseline_train_rows"] == 2_000
 
 
 def test_features_hash_each_field_and_value_apart() -> None:
@@ -130,3 +132,13 @@ def test_inverted_labels_are_not_a_training_problem() -> None:
     record = {"auc": 0.27, "ne": 1.6, "baseline_auc": 0.31, "baseline_ne": 1.2, "eval_rows": 2_000}
     (warning,) = baseline.judge(record)
     assert "labels look inverted" in warning and "train on more" not in warning, warning
+
+
+def test_the_judgement_quotes_the_paired_tests_rows() -> None:
+    """The AUCs in the warning are those of the rows both were scored on (the paired test's),
+    not the model's figure on other rows."""
+    record = {"auc": 0.8047, "ne": 0.80, "eval_rows": 2_000, "baseline_auc": 0.7876,
+              "baseline_ne": 0.82, "vs_baseline": "within noise", "vs_baseline_auc": 0.0055,
+              "vs_baseline_ci": [-0.0129, 0.0239]}  # fmt: skip
+    (warning,) = baseline.judge(record)
+    assert "AUC 0.7931 vs 0.7876: within noise, +0.0055 with a 95% interval" in warning, warning

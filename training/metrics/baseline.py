@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +32,9 @@ import numpy as np
 
 from recsys_stack.auc_stats import RowsDiffer, auc_interval, compare_scored
 from recsys_stack.metrics import normalized_entropy, roc_auc
-from training.config import BaselineConfig
 from training.data.loader import Arrays
 from training.features import NUM_DENSE, NUM_SPARSE
+from training.metrics.baseline_config import BaselineConfig
 
 logger = logging.getLogger("training")
 
@@ -145,25 +144,37 @@ class HashedLogisticRegression:
         out = np.empty(len(arrays))
         for lo in range(0, len(arrays), SCORE_CHUNK):
             idx = np.arange(lo, min(lo + SCORE_CHUNK, len(arrays)))
-            out[lo : lo + len(idx)] = 1.0 / (1.0 + np.exp(-self.logits(arrays, idx)))
+            out[lo : lo + len(idx)] = self.predict_cols(feature_index(arrays, idx, self.bits))
         return out
+
+    def predict_cols(self, cols: np.ndarray) -> np.ndarray:
+        """Click probabilities ``float64[B]`` of rows whose weights are ``cols`` (``[B, 39]``)."""
+        return 1.0 / (1.0 + np.exp(-self._sum(cols)))
 
 
 def score(model: HashedLogisticRegression, arrays: Arrays, scored: Any = None) -> dict[str, Any]:
     """``baseline_auc`` and ``baseline_ne`` of ``model`` on every row of ``arrays``, its AUC's
     95% interval (``baseline_auc_ci``); with ``scored``, the model's ``(labels, probs)`` on
     the same rows, DeLong's paired test of the model against it (:func:`paired`)."""
-    p, y = model.predict(arrays), np.asarray(arrays.labels)
-    out: dict[str, Any] = {"baseline_auc": roc_auc(y, p), "baseline_ne": normalized_entropy(y, p)}
+    return figures("baseline", np.asarray(arrays.labels), model.predict(arrays), scored)
+
+
+def figures(name: str, y: np.ndarray, p: np.ndarray, scored: Any = None) -> dict[str, Any]:
+    """``{name}_auc``, its 95% interval ``{name}_auc_ci`` and ``{name}_ne`` of probabilities
+    ``p`` for labels ``y``; with ``scored``, the model's ``(labels, probs)`` on the same rows,
+    the paired test of the model against them (``vs_{name}``: :func:`paired`)."""
+    out: dict[str, Any] = {f"{name}_auc": roc_auc(y, p), f"{name}_ne": normalized_entropy(y, p)}
     with contextlib.suppress(ValueError):  # fewer than 2 of a class: no interval
         iv = auc_interval(y, p)
-        out["baseline_auc_ci"] = [round(iv.lo, 6), round(iv.hi, 6)]
-    out.update(paired(y, p, scored))
+        out[f"{name}_auc_ci"] = [round(iv.lo, 6), round(iv.hi, 6)]
+    out.update(paired(y, p, scored, name))
     return out
 
 
-def paired(y: np.ndarray, baseline: np.ndarray, scored: Any) -> dict[str, Any]:
-    """The model against the baseline on the same rows: ``vs_baseline`` ("ahead", "behind",
+def paired(
+    y: np.ndarray, baseline: np.ndarray, scored: Any, name: str = "baseline"
+) -> dict[str, Any]:
+    """The model against a baseline on the same rows: ``vs_{name}`` ("ahead", "behind",
     "within noise"), the AUC difference, its 95% interval and p-value; nothing when the
     model's rows are not these (other labels in another order) or too few."""
     if scored is None:
@@ -171,43 +182,30 @@ def paired(y: np.ndarray, baseline: np.ndarray, scored: Any) -> dict[str, Any]:
     try:
         c = compare_scored(scored, (y, baseline))
     except RowsDiffer:
-        logger.warning("the model's evaluation rows are not the baseline's: no paired test")
+        logger.warning("the model's evaluation rows are not the %s's: no paired test", name)
         return {}
     except ValueError:  # too few of a class
         return {}
-    return {"vs_baseline": c.verdict, "vs_baseline_auc": round(c.delta, 6),
-            "vs_baseline_ci": [round(c.lo, 6), round(c.hi, 6)],
-            "vs_baseline_p": float(f"{c.p_value:.3g}")}  # fmt: skip
+    return {f"vs_{name}": c.verdict, f"vs_{name}_auc": round(c.delta, 6),
+            f"vs_{name}_ci": [round(c.lo, 6), round(c.hi, 6)],
+            f"vs_{name}_p": float(f"{c.p_value:.3g}")}  # fmt: skip
+
+
+def describe(record: dict[str, Any], name: str) -> str:
+    """``AUC a [lo, hi]  NE n`` of baseline ``name`` in ``record``, and the model against it."""
+    ci, vs = record.get(f"{name}_auc_ci"), record.get(f"vs_{name}")
+    text = f"AUC {record[f'{name}_auc']:.4f}" + (f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "")
+    text += f"  NE {record[f'{name}_ne']:.4f}"
+    if vs:
+        lo, hi = record[f"vs_{name}_ci"]
+        text += (f"; the model against it: {vs}, {record[f'vs_{name}_auc']:+.4f} AUC [{lo:+.4f}, "
+                 f"{hi:+.4f}] (95%, DeLong paired, p {record[f'vs_{name}_p']:.3g})")  # fmt: skip
+    return text
 
 
 def from_config(cfg: BaselineConfig) -> HashedLogisticRegression:
+    """The continuous loop's baseline: ``baseline.learning_rate``, no L2 (it fits online)."""
     return HashedLogisticRegression(bits=cfg.hash_bits, lr=cfg.learning_rate)
-
-
-def fit_and_score(
-    train: Arrays, order: np.ndarray, held_out: Arrays, cfg: BaselineConfig, scored: Any = None
-) -> dict[str, Any]:
-    """A baseline fitted on rows ``order`` of ``train``, scored on ``held_out``: its AUC, NE,
-    the rows it saw and the seconds it cost (``baseline_seconds``), logged in one line."""
-    t0 = time.perf_counter()
-    model, bits, passes = from_config(cfg), cfg.hash_bits, cfg.passes
-    model.fit(train, order, passes)
-    out: dict[str, Any] = score(model, held_out, scored)
-    out["baseline_train_rows"] = len(order)
-    out["baseline_seconds"] = round(time.perf_counter() - t0, 2)
-    ci = out.get("baseline_auc_ci")
-    vs = out.get("vs_baseline")
-    logger.info(
-        "baseline (hashed logistic regression, 2^%d weights, %d pass%s over %s rows): "
-        "AUC %.4f%s  NE %.4f on %s held-out rows, %.1f s%s",
-        bits, passes, "" if passes == 1 else "es", f"{len(order):,}", out["baseline_auc"],
-        f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "", out["baseline_ne"], f"{len(held_out):,}",
-        out["baseline_seconds"],
-        f"; the model against it: {vs}, {out['vs_baseline_auc']:+.4f} AUC [{out['vs_baseline_ci'][0]:+.4f}, "
-        f"{out['vs_baseline_ci'][1]:+.4f}] (95%, DeLong paired, p {out['vs_baseline_p']:.3g})"
-        if vs else "",
-    )  # fmt: skip
-    return out
 
 
 def judge(record: dict[str, Any], remedy: str = "") -> list[str]:
@@ -230,7 +228,8 @@ def judge(record: dict[str, Any], remedy: str = "") -> list[str]:
     verdict = record.get("vs_baseline")
     if verdict in ("behind", "within noise"):
         lo, hi = record.get("vs_baseline_ci") or (math.nan, math.nan)
-        lost = [f"AUC {auc:.4f} vs {b_auc:.4f}: {verdict}, {auc - b_auc:+.4f} with a 95% "
+        delta = float(record.get("vs_baseline_auc", auc - b_auc))  # the paired test's rows
+        lost = [f"AUC {b_auc + delta:.4f} vs {b_auc:.4f}: {verdict}, {delta:+.4f} with a 95% "
                 f"interval [{lo:+.4f}, {hi:+.4f}] (DeLong, paired)"]  # fmt: skip
     else:
         lost = [f"AUC {auc:.4f} vs {b_auc:.4f}"] if verdict != "ahead" and not auc > b_auc else []
