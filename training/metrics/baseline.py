@@ -1,10 +1,12 @@
-"""The linear baseline of every training report: a hashed logistic regression, in numpy.
+"""The hashed logistic regression, in numpy: its features, the continuous loop's online fit, and
+the warning when a model loses to a baseline.
 
 A deep model that does not beat a linear one on the same rows is not worth serving, and
 nothing else tells a user so (on 8,000 real Criteo rows the tiny DLRM reached AUC 0.734, a
-hashed logistic regression 0.749). :func:`fit_and_score` fits one on the rows the model
-trained on and scores it on the rows the model's figures are of; :func:`judge` is the warning
-when the model loses.
+hashed logistic regression 0.749). A training run's report fits the same features by an exact
+L2 solve tuned on validation rows (:mod:`training.metrics.baseline_search`); the continuous
+loop fits this online model on the rows it trains; :func:`judge` is the warning when the model
+loses.
 
 Features (39 per row, plus a bias): each categorical field's id as the model's loader sees it
 (hashed into its table at preprocessing, or raw; a missing field is a value of its own) and
@@ -13,8 +15,8 @@ transform, binned: a weight per bucket is a free-form function of the value). Ea
 value) pair hashes (splitmix64) into one of ``2^baseline.hash_bits`` weights.
 
 Fit: AdaGrad on the log loss, in mini-batches whose gradient is summed per weight (a weight
-seen once in a batch moves as it would in per-row SGD), ``baseline.passes`` passes over the
-rows in the order given (the model's first epoch). The batch grows with the rows so a pass is
+seen once in a batch moves as it would in per-row SGD), passes over the rows in the order given
+(the loop's own). The batch grows with the rows so a pass is
 about :data:`UPDATES` steps whatever the data's size: the cost is linear in the rows plus a
 fixed number of ``2^hash_bits`` scans. Deterministic: fixed order, sums in numpy's fixed order.
 """
