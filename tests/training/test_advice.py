@@ -42,7 +42,7 @@ def test_a_validation_ne_that_rose_is_overfitting_with_the_exact_remedy() -> Non
     assert warning == (
         "validation NE rose from 0.8500 at step 20 (epoch 1) to 0.9700 at step 40: the model "
         "overfits; train fewer epochs (ARGS='--train.epochs 1'), regularize (ARGS='--optim."
-        "embedding-lr 0.025', or a smaller model.embedding_dim) and serve the best validation "
+        "embedding-lr 0.025' or '--optim.dense-weight-decay 1e-05', or a smaller model.embedding_dim) and serve the best validation "
         "checkpoint: make export PRESET=demo RUN=runs/demo CHECKPOINT=best"
     )
     assert "more epochs" not in warning and "--train.epochs 4" not in warning
@@ -94,6 +94,6 @@ def test_an_overfit_with_no_best_to_serve_is_told_to_stop_early() -> None:
     text = advice.remedy(advice.diagnose(history, final, ROWS), final, cfg, RUN)
     assert "--train.epochs" not in text  # one epoch: fewer is not possible
     assert text.endswith(
-        "regularize (ARGS='--optim.embedding-lr 0.025', or a smaller model.embedding_dim) and "
+        "regularize (ARGS='--optim.embedding-lr 0.025' or '--optim.dense-weight-decay 1e-05', or a smaller model.embedding_dim) and "
         "stop early (ARGS='--train.eval-every 20 --train.early-stop-patience 2')"
     )

@@ -87,9 +87,9 @@ def remedy(d: Diagnosis, final: dict[str, Any], cfg: Any, run_dir: Path, why: bo
     if cfg.train.epochs > 1:
         fewer = min(d.best_epochs, cfg.train.epochs - 1)
         todo.append(f"train fewer epochs (ARGS='--train.epochs {fewer}')")
-    lr = cfg.optim.embedding_lr / 2
-    todo.append(f"regularize (ARGS='--optim.embedding-lr {lr:g}', or a smaller "
-                "model.embedding_dim)")  # fmt: skip
+    lr, wd = cfg.optim.embedding_lr / 2, max(1e-5, 10 * cfg.optim.dense_weight_decay)
+    todo.append(f"regularize (ARGS='--optim.embedding-lr {lr:g}' or '--optim.dense-weight-decay "
+                f"{wd:g}', or a smaller model.embedding_dim)")  # fmt: skip
     if (final.get("best") or {}).get("step") not in (None, final.get("step")):
         todo.append(f"serve the best validation checkpoint: make export PRESET={cfg.name} "
                     f"RUN={run_dir} CHECKPOINT=best")  # fmt: skip
