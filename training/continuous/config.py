@@ -220,3 +220,15 @@ def training_config(cfg: ContinuousConfig, path: Path | None) -> dict[str, Any]:
     if path is not None:
         raw["data"]["path"] = str(path)
     return raw
+
+
+def serving_stack(serve_dir: Path) -> tuple[str | None, Path | None]:
+    """(model the running plan serves, the stack's model store), or Nones without a stack."""
+    try:
+        plan = json.loads((serve_dir / "plan.json").read_text())
+        state = json.loads((serve_dir / "serve.json").read_text())
+    except (OSError, ValueError):
+        return None, None
+    replicas = state.get("replicas") or [{}]
+    store = replicas[0].get("torchserve", {}).get("model_store")
+    return plan.get("model"), Path(store) if store else None

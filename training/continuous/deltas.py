@@ -45,7 +45,7 @@ from typing import Any
 
 from recsys_model.delta import DeltaError, read_pointer
 from training.checkpoint import store as checkpoint
-from training.continuous.config import ContinuousConfig
+from training.continuous.config import ContinuousConfig, serving_stack
 from training.continuous.touched import Touched, chain_end
 from training.errors import RecsysError
 from training.export.delta import gate, make_delta, served_format, unseen_arrays
@@ -154,8 +154,6 @@ class Early:
         loop = self.loop
         if loop.rank != 0 or not loop.c.deltas or not loop.due():
             return
-        from training.continuous.publish import serving_stack
-
         name = f"dlrm-{loop.cfg.name}"
         served, store = serving_stack(loop.c.serve_dir) if loop.c.rollout else (None, None)
         store = store or loop.c.model_store

@@ -53,7 +53,7 @@ from typing import Any
 import torch.distributed as dist
 
 from training.checkpoint import store as checkpoint
-from training.continuous.config import ContinuousConfig
+from training.continuous.config import ContinuousConfig, serving_stack
 from training.continuous.touched import Touched, chain_end
 from training.errors import ConfigError
 from training.export.archive import check_owner
@@ -105,18 +105,6 @@ def _last_error(output: str) -> str:
         return lines[-1]
     tail = [line for line in output.splitlines() if line.strip()]
     return tail[-1] if tail else "(no output)"
-
-
-def serving_stack(serve_dir: Path) -> tuple[str | None, Path | None]:
-    """(model the running plan serves, the stack's model store), or Nones without a stack."""
-    try:
-        plan = json.loads((serve_dir / "plan.json").read_text())
-        state = json.loads((serve_dir / "serve.json").read_text())
-    except (OSError, ValueError):
-        return None, None
-    replicas = state.get("replicas") or [{}]
-    store = replicas[0].get("torchserve", {}).get("model_store")
-    return plan.get("model"), Path(store) if store else None
 
 
 def run_id(run_dir: Path) -> str:
