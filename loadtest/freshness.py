@@ -148,10 +148,7 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
         calls = [c for c in records.poll() if t0 <= c.start <= t1]
         result["calls"], result["failed"] = len(calls), sum(c.code != "OK" for c in calls)
         events = [json.loads(x) for x in (work / "run" / "continuous.jsonl").open()]
-        result["deltas"] = [{k: e.get(k) for k in ("version", "promoted", "freshness_s",
-                             "since_pass_s", "make_s", "delta_s", "diff_s", "publish_s", "found_s", "judged_s", "served_s", "rows", "compared", "bytes",
-                             "workers", "reason", "fallback")}
-                            for e in events if e["event"] == "delta"]  # fmt: skip
+        result.update(phase(events))
         result["max_abs_diff"], result["checked_rows"] = changed_ids_check(work, env, p[3], log)
         t2 = time.time()  # the full path: one more day with deltas off (export + rollout)
         move_days(work / "days", work / "inbox", [f"day_{a.passes + 3}"])
@@ -172,9 +169,26 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
     # the first delta's pass ended in the previous loop process, before the stack started: its
     # clock is not the loop's (since_pass_s 0); the figures are those of the others
     fresh = [d["freshness_s"] for d in result["deltas"][1:] if d["promoted"]]
-    result["freshness_p50_s"] = statistics.median(fresh) if fresh else None
+    result["freshness_p50_s"] = round(statistics.median(fresh), 2) if fresh else None
     result["freshness_max_s"] = max(fresh) if fresh else None
     return result
+
+
+DELTA_KEYS = ("version", "promoted", "freshness_s", "since_pass_s", "early", "make_s", "delta_s",
+              "diff_s", "publish_s", "found_s", "judged_s", "served_s", "rows", "compared",
+              "bytes", "workers", "reason", "fallback")  # fmt: skip
+
+
+def phase(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The delta phase's figures from ``RUN/continuous.jsonl``: each delta's record, and each
+    compaction's (every ``continuous.compact_every`` deltas the publish is an export +
+    rollout: its ``freshness_s`` is the pass's end -> the rollout command's end)."""
+    after = [e for e in events if e["event"] == "delta"][:1]
+    start = events.index(after[0]) if after else len(events)
+    return {"deltas": [{k: e.get(k) for k in DELTA_KEYS} for e in events if e["event"] == "delta"],
+            "compactions": [{"version": e.get("version"), "promoted": e.get("promoted"),
+                             "freshness_s": e.get("freshness_s"), "rollout_s": e.get("seconds")}
+                            for e in events[start:] if e["event"] == "rollout"]}  # fmt: skip
 
 
 def changed_ids_check(
@@ -239,11 +253,15 @@ def table(results: list[dict[str, Any]]) -> str:
             xs = [d[k] for d in ds if isinstance(d.get(k), int | float)]
             return round(statistics.median(xs), 2) if xs else "-"
 
-        lines.append(f"| {r['preset']} | {r['rows_per_pass']:,} | {len(ok)} of {len(r['deltas'])} | "
+        lines.append(f"| {r['preset']} | {r['rows_per_pass']:,} | {len(ok)} of {len(r['deltas']) - 1} | "
                      f"{r['freshness_p50_s']} / {r['freshness_max_s']} | {med('since_pass_s')} / "
                      f"{med('make_s')} / {med('served_s')} | {med('rows'):,.0f} | {med('bytes'):,.0f} | "
                      f"{med('compared'):,.0f} | {r['failed']} of {r['calls']:,} | "
                      f"{r['max_abs_diff']:.2g} ({r['checked_rows']} rows) |")  # fmt: skip
+        for c in r.get("compactions", []):
+            lines.append(f"| {r['preset']}, compaction (export + rollout) | {r['rows_per_pass']:,} | "
+                         f"{'1 of 1' if c['promoted'] else '0 of 1'} | {c['freshness_s']} | "
+                         f"rollout {c['rollout_s']} | all | - | all | (in the deltas' row) | - |")  # fmt: skip
         f = r["full"]
         lines.append(f"| {r['preset']}, full publish (deltas off) | {r['rows_per_pass']:,} | "
                      f"{'1 of 1' if f['promoted'] else '0 of 1'} | - | export {f['export_s']} + "
@@ -266,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="TorchServe workers a replica")
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-freshness"))
     p.add_argument("--out", type=Path, default=Path("reports/bench-freshness"))
+    p.add_argument("--table", type=Path, help="print the table of this freshness.json, run nothing")
     a = p.parse_args(argv)
+    if a.table:
+        print(table(json.loads(a.table.read_text())))
+        return 0
     results = []
     for preset in a.presets:
         results.append(one(preset, a))
