@@ -85,12 +85,19 @@ def loop(
        {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env}, tool="torchrun")  # fmt: skip
 
 
-def move_days(days: Path, inbox: Path, names: list[str]) -> None:
+def move_days(days: Path, inbox: Path, names: list[str], flip: str = "") -> None:
+    """``names`` into ``inbox`` whole (renamed in); ``flip``: that day with every label
+    flipped (a poisoned file: the loop must quarantine it)."""
     inbox.mkdir(parents=True, exist_ok=True)
     for n in names:
         for suffix in (".tsv", ".prob.npy"):
-            shutil.copy(days / f"{n}{suffix}", inbox / f"{n}{suffix}.part")
-            os.replace(inbox / f"{n}{suffix}.part", inbox / f"{n}{suffix}")
+            part = inbox / f"{n}{suffix}.part"
+            if n == flip and suffix == ".tsv":
+                with (days / f"{n}.tsv").open() as src, part.open("w") as dst:
+                    dst.writelines(("0" if r[0] == "1" else "1") + r[1:] for r in src)
+            else:
+                shutil.copy(days / f"{n}{suffix}", part)
+            os.replace(part, inbox / f"{n}{suffix}")
 
 
 def start_locust(
@@ -142,13 +149,16 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
         while not records.poll() and time.monotonic() < end:
             time.sleep(0.5)
         t0 = time.time()
-        move_days(work / "days", work / "inbox", [f"day_{d}" for d in range(2, a.passes + 3)])
+        flip = f"day_{a.flip_day}" if a.flip_day is not None else ""
+        move_days(work / "days", work / "inbox", [f"day_{d}" for d in range(2, a.passes + 3)], flip)
         loop(preset, work, [], log, env, a.nproc)
         t1 = time.time()
         calls = [c for c in records.poll() if t0 <= c.start <= t1]
         result["calls"], result["failed"] = len(calls), sum(c.code != "OK" for c in calls)
         events = [json.loads(x) for x in (work / "run" / "continuous.jsonl").open()]
         result.update(phase(events))
+        result["quarantined"] = [{k: e.get(k) for k in ("file", "reason", "step")}
+                                 for e in events if e["event"] == "quarantined"]  # fmt: skip
         result["max_abs_diff"], result["checked_rows"] = changed_ids_check(work, env, p[3], log)
         t2 = time.time()  # the full path: one more day with deltas off (export + rollout)
         move_days(work / "days", work / "inbox", [f"day_{a.passes + 3}"])
@@ -284,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="TorchServe workers a replica")
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-freshness"))
     p.add_argument("--out", type=Path, default=Path("reports/bench-freshness"))
+    p.add_argument("--flip-day", type=int, help="that day (>= 3) arrives with its labels "
+                   "flipped: the quarantine's acceptance (it is not trained, no delta is judged on "
+                   "it, later days are published)")  # fmt: skip
     p.add_argument("--table", type=Path, help="print the table of this freshness.json, run nothing")
     a = p.parse_args(argv)
     if a.table:
