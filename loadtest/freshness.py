@@ -143,11 +143,14 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
                               "users": a.users}  # fmt: skip
     locust = None
     try:
-        locust = start_locust(f"127.0.0.1:{p[5]}", work / "days" / "day_0.tsv", a.users, out, env)
+        (out / "requests").mkdir(parents=True, exist_ok=True)
         records = Records(out / "requests")
-        end = time.monotonic() + 120
-        while not records.poll() and time.monotonic() < end:
-            time.sleep(0.5)
+        if a.users:  # 0: no load (the loop's figure on a machine it has to itself)
+            locust = start_locust(f"127.0.0.1:{p[5]}", work / "days" / "day_0.tsv", a.users, out,
+                                  env)  # fmt: skip
+            end = time.monotonic() + 120
+            while not records.poll() and time.monotonic() < end:
+                time.sleep(0.5)
         t0 = time.time()
         flip = f"day_{a.flip_day}" if a.flip_day is not None else ""
         move_days(work / "days", work / "inbox", [f"day_{d}" for d in range(2, a.passes + 3)], flip)
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                    "is made first, its clock started before the stack)")  # fmt: skip
     p.add_argument("--rows", type=int, default=0, help="rows a day (0: 24 steps of the preset)")
     p.add_argument("--drift", type=float, default=0.05)
-    p.add_argument("--users", type=int, default=4)
+    p.add_argument("--users", type=int, default=4, help="Locust users (0: no load)")
     p.add_argument("--nproc", type=int, default=2, help="the loop's processes (make's NPROC)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--workers", type=int, default=2, help="TorchServe workers a replica")
