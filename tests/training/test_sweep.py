@@ -225,7 +225,8 @@ def test_make_sweep_runs_resumes_reports_and_its_best_config_trains(
     ci = won["value"]["auc_ci"]
     assert ci[0] < won["value"]["auc"] < ci[1]
     last = read_metrics(Path(won["run_dir"]) / "metrics.jsonl")[-1]
-    assert won["value"]["auc"] == last["auc"]  # the run's own last evaluation
+    assert last["split"] == "test"  # the final record: its validation figures are under valid
+    assert won["value"]["auc"] == last["valid"]["auc"]  # the run's own last validation figure
     # the best config trains as it is, and is the trial's config
     run = tmp_path / "best_run"
     run_train(["--config", str(out / "best.toml"), "--run-dir", str(run), "--no-progress"], nproc=0)
