@@ -162,7 +162,7 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
         result.update(phase(events))
         result["quarantined"] = [{k: e.get(k) for k in ("file", "reason", "step")}
                                  for e in events if e["event"] == "quarantined"]  # fmt: skip
-        result["max_abs_diff"], result["checked_rows"] = changed_ids_check(work, env, p[3], log)
+        result["max_abs_diff"], result["checked_rows"] = changed_ids_check(work, env, log)
         t2 = time.time()  # the full path: one more day with deltas off (export + rollout)
         move_days(work / "days", work / "inbox", [f"day_{a.passes + 3}"])
         loop(preset, work, ["continuous.deltas=false"], log, env, a.nproc)
@@ -204,9 +204,7 @@ def phase(events: list[dict[str, Any]]) -> dict[str, Any]:
                             for e in events[start:] if e["event"] == "rollout"]}  # fmt: skip
 
 
-def changed_ids_check(
-    work: Path, env: dict[str, str], grpc_port: int, log: Path
-) -> tuple[float, int]:
+def changed_ids_check(work: Path, env: dict[str, str], log: Path) -> tuple[float, int]:
     """Module doc: every replica's scores against the full export of the last delta's
     checkpoint, on ids that delta changed."""
     import grpc

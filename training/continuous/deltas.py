@@ -94,6 +94,22 @@ def try_delta(
     return publish_delta(cfg, run_dir, folder, base, unseen, pass_end, fmt, touched, early)
 
 
+def served_store(c: Any, name: str) -> tuple[str | None, Path, bool]:
+    """(the model the stack serves, the store a publish goes to, whether a delta may be
+    tried: deltas on, this model served, a store known); the one rule for the publish and
+    :class:`Early`."""
+    served, store = serving_stack(c.serve_dir) if c.rollout else (None, None)
+    store = Path(store or c.model_store)
+    return served, store, bool(c.deltas and served == name)
+
+
+def state(folder: Path, run_dir: Path) -> tuple[tuple[str, str], Path | None]:
+    """(the chain end of ``folder``, ``run_dir``'s latest checkpoint): what a delta is over."""
+    return chain_end(folder, read_pointer(folder)["chain"]), checkpoint.read_latest(
+        run_dir / "checkpoints"
+    )
+
+
 @dataclass
 class Made:
     """A delta made and scored, not published: its record's fields, the publisher's record,
@@ -113,8 +129,7 @@ def make(
     """The delta of ``run_dir``'s latest checkpoint over ``folder``'s chain for ``fmt`` tables,
     scored with what serves on ``unseen``'s first rows (the gate's figures, judged later)."""
     t0 = time.perf_counter()
-    ckpt = checkpoint.read_latest(run_dir / "checkpoints")
-    end = chain_end(folder, read_pointer(folder)["chain"])
+    end, ckpt = state(folder, run_dir)
     m = Made((*end, str(ckpt)))
     try:  # in this process (torch imported): the import is no part of the freshness
         if ckpt is None:
@@ -155,9 +170,7 @@ class Early:
         if loop.rank != 0 or not loop.c.deltas or not loop.due():
             return
         name = f"dlrm-{loop.cfg.name}"
-        served, store = serving_stack(loop.c.serve_dir) if loop.c.rollout else (None, None)
-        store = store or loop.c.model_store
-        ok = served == name and store is not None
+        _, store, ok = served_store(loop.c, name)
         folder = delta_target(loop.cfg, loop.run_dir, store, name) if ok else None
         fmt = served_format(_schema(loop.run_dir))[0]
         if folder is None or fmt is None:
@@ -200,9 +213,8 @@ def publish_delta(
     record: dict[str, Any] = {**base, "event": "delta", "base": folder.name, "format": fmt,
                               "promoted": False,  # since_pass_s: the next file's load + scoring
                               "since_pass_s": round(time.time() - pass_end, 2)}  # fmt: skip
-    key = (*chain_end(folder, read_pointer(folder)["chain"]),
-           str(checkpoint.read_latest(run_dir / "checkpoints")))  # fmt: skip
-    m = early.take(key) if early is not None else None
+    end, ckpt = state(folder, run_dir)
+    m = early.take((*end, str(ckpt))) if early is not None else None
     record["early"] = m is not None  # made while the loop scored the file
     if m is None:
         m = make(cfg, run_dir, folder, str(base["version"]), unseen, fmt, touched)

@@ -53,7 +53,7 @@ from typing import Any
 import torch.distributed as dist
 
 from training.checkpoint import store as checkpoint
-from training.continuous.config import ContinuousConfig, serving_stack
+from training.continuous.config import ContinuousConfig
 from training.continuous.touched import Touched, chain_end
 from training.errors import ConfigError
 from training.export.archive import check_owner
@@ -264,13 +264,12 @@ def publish(
     ``early``: the delta made while the loop scored ``unseen`` (:class:`.deltas.Early`)."""
     c = cfg.continuous
     name = f"dlrm-{cfg.name}"
-    served_model, store = serving_stack(c.serve_dir) if c.rollout else (None, None)
-    store = store or c.model_store
+    from training.continuous.deltas import served_store, try_delta
+
+    served_model, store, deltas_ok = served_store(c, name)
     base = {"step": step, "version": str(step), "model": name, "time": time.time()}
     records: list[dict[str, Any]] = []
-    if c.deltas and served_model == name and store is not None:
-        from training.continuous.deltas import try_delta
-
+    if deltas_ok:
         delta = try_delta(cfg, run_dir, store, base, unseen, pass_end or time.time(), touched,
                           early)  # fmt: skip
         records += [delta] if delta else []

@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from training.checkpoint import store as checkpoint
+from training.continuous.config import serving_stack
 from training.continuous.publish import (
     exported_identity,
     from_rank0,
     run_id,
-    serving_stack,
 )
 
 Continuous = Any  # training.continuous.file_loop.Continuous (not imported: it imports this)
