@@ -10,14 +10,14 @@ hidden: ``.<name>.tmp``); ``kind`` is :data:`IMPRESSIONS` or :data:`CLICKS`.
 An impression::
 
     {"request_id": "...", "example": 0, "event_time_ms": 1733400000123, "model": "recsys",
-     "version": "3", "score": 0.0312, "dense": [13 numbers], "sparse": [[ids] x 26],
-     "row": "<39 tab-separated Criteo fields>" or null}
+     "version": "3", "score": 0.0312, "row": "<39 tab-separated Criteo fields>"}
 
-``dense`` and ``sparse`` are the features exactly as served (raw dense values, raw ids per
-sparse feature in schema order, ``[]`` = missing); ``row`` is the same example in the trainer's
-Criteo TSV format without the label (:func:`criteo_row`), null when it cannot be written there
-(a non-integral dense value, two ids in one field): such an impression is logged but cannot be
-trained on, and the joiner counts it apart. A click::
+``row`` is the example exactly as served in the trainer's Criteo TSV format without the label
+(:func:`criteo_row`: the raw dense values and raw ids, an empty field = missing). When it
+cannot be written there (a non-integral dense value, two ids in one field) ``row`` is null and
+``dense`` and ``sparse`` carry the features as served (raw dense values; raw ids per sparse
+feature in schema order, ``[]`` = missing): such an impression is logged but cannot be trained
+on, and the joiner counts it apart. A click::
 
     {"request_id": "...", "example": 0, "event_time_ms": 1733400004567, "label": 1,
      "received_ms": 1733400004601}
