@@ -28,8 +28,9 @@ next file tries again.
 Every ``continuous.compact_every`` deltas (the chain that long) the publish is a full export
 + rollout again (compaction): a new version, a new mapped file, an empty chain. The record in
 ``continuous.jsonl``: format, rows, bytes, the gate's figures, ``served_s`` (pointer -> every
-worker) and ``freshness_s`` (end of the pass -> the last worker's acknowledgement, by its own
-clock).
+worker), ``freshness_s`` (end of the pass -> the last worker's acknowledgement, by its own
+clock) and ``acked_at`` (that acknowledgement, unix seconds: the online demo's click-to-served
+figure ends there).
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ def publish_delta(
                   **{k: out[k] for k in ("found_s", "judged_s") if k in out})  # fmt: skip
     record.update(promoted=bool(out.get("promoted")), served_s=out.get("served_s"),
                   workers=out.get("workers"), reason=out.get("reason"),
-                  freshness_s=round(acked - pass_end, 2))  # fmt: skip
+                  freshness_s=round(acked - pass_end, 2), acked_at=round(acked, 3))  # fmt: skip
     if record["promoted"] and touched is not None:  # what serves now: this delta
         touched.restart(chain_end(folder, read_pointer(folder)["chain"]), int(base["step"]))
     if isinstance(out.get("gate"), dict):
