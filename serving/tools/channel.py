@@ -39,15 +39,19 @@ Metadata = tuple[tuple[str, str], ...]
 # calls the stopping server had received but not yet handed to Python (grpc/grpc#41785:
 # CANCELLED, not UNAVAILABLE, in grpc 1.81), and a reconnect that lands in the closing
 # listener's accept queue is reset, after which the channel fails calls fast UNAVAILABLE. Up
-# to 5 attempts, 50-800 ms of backoff: a takeover's few ms, not an outage (a gateway that
-# stays down still fails fast after them). Throttled per channel (grpc's retryThrottling):
+# to 5 attempts (grpc's most), 100 ms - 1 s of backoff (jittered: 0.75 s expected, 1.5 s at
+# most before the last): a takeover's reset window, which lasts as long as the stopping
+# gateway takes to close its listener (tens of ms quiet, longer on a loaded machine: 50-800 ms
+# left one call of the takeover phase failed in a busy
+# 2-core CI run), not an outage (a gateway that stays
+# down still fails within 2 s). Throttled per channel (grpc's retryThrottling):
 # once about half of 10 tokens are spent on failures, no retries until successes earn them
 # back, so a gateway that answers UNAVAILABLE to everything (no replica left) is not asked 5
 # times as often. Requests over grpc's per-call retry buffer (256 KiB) are not retried.
 RETRY_POLICY = {
     "maxAttempts": 5,
-    "initialBackoff": "0.05s",
-    "maxBackoff": "0.8s",
+    "initialBackoff": "0.1s",
+    "maxBackoff": "1s",
     "backoffMultiplier": 2,
     "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
 }

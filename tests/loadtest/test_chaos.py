@@ -105,6 +105,16 @@ def test_options_refused_with_one_line(capsys: pytest.CaptureFixture[str]) -> No
     assert "pause-replica" in capsys.readouterr().out
 
 
+def _failed_calls(out: Path, phase: dict[str, object], takeover_s: float) -> str:
+    """The phase and each failed call (start, s after the first call; ms; code; backend), so
+    a failure says when it happened against the takeover, and with what code."""
+    calls = chaos.Records(out / "requests").poll()
+    t0 = min(c.start for c in calls)
+    failed = [f"{c.start - t0:.3f}s {c.ms:.0f}ms {c.code} {c.backend or '-'}"
+              for c in calls if not c.ok]  # fmt: skip
+    return f"{json.dumps(phase)}; takeover at {takeover_s}s; failed: {'; '.join(failed[:20])}"
+
+
 @pytest.fixture(scope="module")
 def rows_tsv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tsv = tmp_path_factory.mktemp("rows") / "rows.tsv"
@@ -163,7 +173,7 @@ def test_short_chaos_run(exported: tuple[Path, Path, str], rows_tsv: Path, tmp_p
     assert all(p["requests"] > 0 and p["p50_ms"] <= p["p99_ms"] <= p["max_ms"] for p in phases)
     # the takeover costs no call: what the stopping gateway's grpc cancels, or a reset connect
     # fails, the users' channel retries (serving/tools/channel.py; tests/serving/test_takeover.py)
-    assert phases[-1]["failures"] == 0, phases[-1]
+    assert phases[-1]["failures"] == 0, _failed_calls(out, phases[-1], events[2]["t_s"])
     # both replicas answered; the gateway that took over served the phases after it
     assert report["ok_by_replica"]["a"] > 0 and report["ok_by_replica"]["b"] > 0
     assert set(report["gateways"]) == {"a", "b"}
