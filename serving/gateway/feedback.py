@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 MAX_FUTURE_MS = 60_000  # clocks of clients and gateways differ by seconds, not minutes
 TURN_ON = (
     "the gateway's feature log is off, and clicks are joined with it: start the gateway with "
-    "--feature_log.enabled true (make serve SERVE_ARGS='--gateway.feature_log.enabled true'; "
-    "docs/online.md)"
+    "--feature-log.enabled (feature_log.enabled = true in its config; make serve "
+    "SERVE_ARGS=--gateway.feature-log.enabled; docs/online.md)"
 )
 
 

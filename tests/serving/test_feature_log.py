@@ -25,7 +25,13 @@ from serving.gateway.featurelog import FeatureLogConfig
 from serving.stubs import ranker_pb2, ranker_pb2_grpc
 from serving.tools.client import build_request
 from serving.worker.codec import to_rows
-from tests.stack import gateway_metrics, running_torchserve, start_gateway, stop_gateway, wait_status
+from tests.stack import (
+    gateway_metrics,
+    running_torchserve,
+    start_gateway,
+    stop_gateway,
+    wait_status,
+)
 
 pytestmark = pytest.mark.slow
 TOKEN = "flog-token-" + "f" * 24
