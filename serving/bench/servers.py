@@ -172,10 +172,11 @@ def start_all(
         out[key] = cfg
         procs[key] = proc
     gateways = [("gateway", gcfg)] if want_gateway else []
-    if want_logged:  # the same gateway, its feature log on (every example: sample 1)
+    if want_logged:  # the same gateway, its feature log on (every example: sample 1); its
+        # HTTP port any free one (the first gateway holds the configured one)
         flog = dataclasses.replace(gcfg.feature_log, enabled=True, dir=str(work / "feature_log"),
                                    sample=1.0, key_file="")  # fmt: skip
-        gateways.append((LOGGED, dataclasses.replace(gcfg, feature_log=flog)))
+        gateways.append((LOGGED, dataclasses.replace(gcfg, feature_log=flog, http_port=0)))
     for key, g in gateways:
         g, gw = start_gateway(g, out["stack"], model.export / "schema.json",
                               work / f"{key}.log", stack)  # fmt: skip
