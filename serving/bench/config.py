@@ -9,8 +9,11 @@ from typing import Literal
 from serving.gateway.config import GatewayConfig
 from serving.torchserve.config import MODEL_STORE, TorchServeConfig
 
-Method = Literal["in-process", "plain-torchserve", "torchserve-grpc", "relay", "gateway"]
+Method = Literal[
+    "in-process", "plain-torchserve", "torchserve-grpc", "relay", "gateway", "gateway+log"
+]
 METHODS: list[Method] = ["in-process", "plain-torchserve", "torchserve-grpc", "relay", "gateway"]
+LOGGED: Method = "gateway+log"  # the gateway with its feature log on (--feature-log)
 BASELINE: Method = "plain-torchserve"
 FLOOR: Method = "in-process"
 
@@ -45,6 +48,10 @@ class BenchConfig:
     the timed cells and the order of the methods within a round skews their ratios. 0 = off."""
     methods: list[Method] = field(default_factory=lambda: list(METHODS))
     """Methods to run (ratios need plain-torchserve; efficiency needs in-process)."""
+    feature_log: bool = False
+    """Also run ``gateway+log``: a second gateway in front of the same TorchServe with its
+    feature log on (every example logged, serving/gateway/featurelog.py), interleaved with
+    ``gateway`` cell by cell: the log's cost, side by side."""
     json: Path | None = None
     """Also write the results and settings here."""
     plain_threads: int = 1

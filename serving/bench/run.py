@@ -21,7 +21,7 @@ from recsys_stack.config import ConfigError, parse, to_dict
 from recsys_stack.progress import progress
 from serving.bench import methods as m
 from serving.bench import servers
-from serving.bench.config import FLOOR, METHODS, BenchConfig
+from serving.bench.config import FLOOR, LOGGED, METHODS, BenchConfig
 from serving.bench.measure import Cell, run_cell
 from serving.bench.model import Model, build_model, payload
 from serving.bench.report import results, settings_text, table
@@ -49,7 +49,8 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
         cfg.torchserve, model_store=store, mar_file=f"{model.name}-{model.version}.mar",
         model_name=model.name, model_version=model.version,
     )  # fmt: skip
-    chosen: list[str] = [x for x in METHODS if x in cfg.methods]
+    chosen: list[str] = [x for x in [*METHODS, LOGGED] if x in cfg.methods or (
+        x == LOGGED and cfg.feature_log)]  # fmt: skip
     # The benchmark measures what the servers do with the load it offers: the gateway's
     # admission budget covers the largest cell, so no call is refused as overload (plain
     # TorchServe queues them too). Overload behaviour has its own test (test_overload.py).
@@ -64,8 +65,9 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
     up = servers.start_all(
         model, ts, gateway_cfg, work, cfg.startup_timeout_s, stack,
         plain_threads=cfg.plain_threads if "plain-torchserve" in chosen else None,
-        want_stack=bool({"torchserve-grpc", "relay", "gateway"} & set(chosen)),
+        want_stack=bool({"torchserve-grpc", "relay", "gateway", LOGGED} & set(chosen)),
         want_gateway="gateway" in chosen, want_relay="relay" in chosen,
+        want_logged=LOGGED in chosen,
     )  # fmt: skip
     settings = describe(cfg, model, up, chosen)
     connects = _connects(chosen, model, up, settings)
@@ -131,6 +133,8 @@ def _servers_of(procs: dict[str, Any]) -> dict[str, dict[str, Any]]:
             out["relay"] = {"relay": procs["relay"], "torchserve": procs["stack"]}
         if "gateway" in procs:
             out["gateway"] = {"gateway": procs["gateway"], "torchserve": procs["stack"]}
+        if LOGGED in procs:
+            out[LOGGED] = {"gateway": procs[LOGGED], "torchserve": procs["stack"]}
     return out
 
 
@@ -153,8 +157,9 @@ def _connects(
         )
     if "relay" in chosen:
         out["relay"] = m.torchserve_grpc(up["relay"], inference_key(up["stack"].key_file))
-    if "gateway" in chosen:
-        out["gateway"] = m.gateway(f"127.0.0.1:{up['gateway'].port}")
+    for x in ("gateway", LOGGED):
+        if x in chosen:
+            out[x] = m.gateway(f"127.0.0.1:{up[x].port}")
     return out
 
 
@@ -181,11 +186,12 @@ def describe(
     if "relay" in up:
         per["relay"] = {"api": "gRPC RSB1 via serving/bench/relay.py",
                         **servers.model_settings(up["stack"])}  # fmt: skip
-    if "gateway" in up:
-        gw = {k: v for k, v in to_dict(up["gateway"]).items()
-              if k not in ("schema", "host", "port", "backend", "key_file")}  # fmt: skip
-        per["gateway"] = {"api": "gRPC Ranker/Score", **servers.model_settings(up["stack"]),
-                          "gateway": gw}  # fmt: skip
+    for x in ("gateway", LOGGED):
+        if x in up:
+            gw = {k: v for k, v in to_dict(up[x]).items()
+                  if k not in ("schema", "host", "port", "backend", "key_file")}  # fmt: skip
+            per[x] = {"api": "gRPC Ranker/Score", **servers.model_settings(up["stack"]),
+                      "gateway": gw}  # fmt: skip
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "cores": os.cpu_count(),

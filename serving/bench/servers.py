@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 
 from recsys_stack.net import free_ports
+from serving.bench.config import LOGGED
 from serving.gateway.config import GatewayConfig
 from serving.tools.supervisor import launch_gateway, wait_serving
 from serving.torchserve import process
@@ -148,7 +149,7 @@ def start_relay(
 def start_all(
     model: Any, ts: TorchServeConfig, gcfg: GatewayConfig, work: Path, timeout: float,
     stack: contextlib.ExitStack, plain_threads: int | None, want_stack: bool, want_gateway: bool,
-    want_relay: bool = False,
+    want_relay: bool = False, want_logged: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Start what the chosen methods need (both TorchServes at once; the peer unless
     ``plain_threads`` is None); their configs."""
@@ -170,12 +171,18 @@ def start_all(
         wait_all_workers(cfg, proc, timeout)
         out[key] = cfg
         procs[key] = proc
-    if want_gateway:
-        gcfg, gw = start_gateway(gcfg, out["stack"], model.export / "schema.json",
-                                 work / "gateway.log", stack)  # fmt: skip
-        wait_serving(f"127.0.0.1:{gcfg.port}", gw, timeout)
-        out["gateway"] = gcfg
-        procs["gateway"] = gw
+    gateways = [("gateway", gcfg)] if want_gateway else []
+    if want_logged:  # the same gateway, its feature log on (every example: sample 1); its
+        # HTTP port any free one (the first gateway holds the configured one)
+        flog = dataclasses.replace(gcfg.feature_log, enabled=True, dir=str(work / "feature_log"),
+                                   sample=1.0, key_file="")  # fmt: skip
+        gateways.append((LOGGED, dataclasses.replace(gcfg, feature_log=flog, http_port=0)))
+    for key, g in gateways:
+        g, gw = start_gateway(g, out["stack"], model.export / "schema.json",
+                              work / f"{key}.log", stack)  # fmt: skip
+        wait_serving(f"127.0.0.1:{g.port}", gw, timeout)
+        out[key] = g
+        procs[key] = gw
     if want_relay:
         out["relay"], procs["relay"] = start_relay(out["stack"], stack)
     out["procs"] = procs

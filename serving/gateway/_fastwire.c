@@ -24,7 +24,9 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 enum { NUM_EXAMPLES = 0x08, DENSE = 0x12, SPARSE = 0x1A, MODEL_VERSION = 0x22 };
@@ -399,15 +401,184 @@ done:
     return result;
 }
 
+/* --- impressions: the feature log's JSON lines (serving/gateway/featurelog.py's twin) -------
+ *
+ *   impressions(head, mid, dense f32[B*D], values i64[N], lengths i32[F*B], scores f32[B]) ->
+ *     (bytes, [odd example indices])
+ *
+ * One line per example: head, its index, mid, its score (%.9g: round-trips a float32; null
+ * when not finite), then `, "row": "<39 Criteo fields, tabs escaped>"}` and a newline: what
+ * recsys_stack/online.py's criteo_row writes, byte for byte. An example no row can hold (a
+ * dense value that is not an integer below 2^63 in size, a feature with two ids or a negative
+ * one) is left out and its index returned: the caller writes it with dense and sparse arrays.
+ * head and mid are the caller's JSON (request id, event time, model, version); the work is
+ * done without the GIL, so the gateway's event loop runs on while the log's thread formats. */
+
+static char *put_u64(char *o, uint64_t v) {
+    char tmp[20];
+    int n = 0;
+    do {
+        tmp[n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    while (n)
+        *o++ = tmp[--n];
+    return o;
+}
+
+static char *put_hex(char *o, uint64_t v) {
+    static const char digits[] = "0123456789abcdef";
+    char tmp[16];
+    int n = 0;
+    do {
+        tmp[n++] = digits[v & 15];
+        v >>= 4;
+    } while (v);
+    while (n)
+        *o++ = tmp[--n];
+    return o;
+}
+
+static const char ROW[] = ", \"row\": \"", END[] = "\"}\n", TAB[] = "\\t";
+
+/* one example's line at o (room checked by the caller) -> its end, or NULL: no row holds it */
+static char *impression(char *o, const Py_buffer *head, const Py_buffer *mid, Py_ssize_t b,
+                        const float *dense, Py_ssize_t d_n, const int64_t *ids, int64_t *pos,
+                        const int32_t *lengths, Py_ssize_t f_n, Py_ssize_t b_n, float score) {
+    int odd = 0;
+    for (Py_ssize_t f = 0; f < f_n; f++) { /* every feature's cursor moves, odd or not */
+        int32_t n = lengths[f * b_n + b];
+        if (n > 1 || (n == 1 && ids[pos[f]] < 0))
+            odd = 1;
+        pos[f] += n;
+    }
+    for (Py_ssize_t d = 0; d < d_n && !odd; d++) {
+        float v = dense[b * d_n + d];
+        odd = !isfinite(v) || v != floorf(v) || fabsf(v) >= 9.2e18f;
+    }
+    if (odd)
+        return NULL;
+    memcpy(o, head->buf, head->len);
+    o = put_u64(o + head->len, (uint64_t)b);
+    memcpy(o, mid->buf, mid->len);
+    o += mid->len;
+    o += isfinite(score) ? snprintf(o, 32, "%.9g", (double)score) : snprintf(o, 32, "null");
+    memcpy(o, ROW, sizeof ROW - 1);
+    o += sizeof ROW - 1;
+    for (Py_ssize_t d = 0; d < d_n; d++) {
+        int64_t v = (int64_t)dense[b * d_n + d];
+        if (v < 0)
+            *o++ = '-';
+        o = put_u64(o, v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v);
+        memcpy(o, TAB, 2);
+        o += 2;
+    }
+    for (Py_ssize_t f = 0; f < f_n; f++) {
+        int32_t n = lengths[f * b_n + b];
+        if (n == 1)
+            o = put_hex(o, (uint64_t)ids[pos[f] - 1]);
+        if (f + 1 < f_n) {
+            memcpy(o, TAB, 2);
+            o += 2;
+        }
+    }
+    if (f_n == 0 && d_n > 0)
+        o -= 2; /* no trailing tab */
+    memcpy(o, END, sizeof END - 1);
+    return o + sizeof END - 1;
+}
+
+static PyObject *impressions(PyObject *self, PyObject *args) {
+    Py_buffer head, mid, dense, ids, lengths, scores;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*", &head, &mid, &dense, &ids, &lengths, &scores))
+        return NULL;
+    PyObject *out = NULL, *odd_list = NULL, *result = NULL;
+    int64_t *pos = NULL;
+    Py_ssize_t *odd = NULL;
+    Py_ssize_t b_n = scores.len / 4, n_ids = ids.len / 8;
+    Py_ssize_t d_n = b_n ? dense.len / 4 / b_n : 0, f_n = b_n ? lengths.len / 4 / b_n : 0;
+    if (scores.len % 4 || ids.len % 8 || (b_n && (dense.len != 4 * b_n * d_n ||
+                                                  lengths.len != 4 * b_n * f_n))) {
+        PyErr_SetString(PyExc_ValueError, "impressions: arrays of mismatched sizes");
+        goto done;
+    }
+    const int32_t *len = (const int32_t *)lengths.buf;
+    pos = PyMem_RawCalloc(f_n + 1, sizeof *pos);
+    odd = PyMem_RawMalloc((b_n + 1) * sizeof *odd);
+    if (!pos || !odd) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t total = 0;
+    for (Py_ssize_t f = 0; f < f_n; f++) { /* each feature's first id; the ids must all exist */
+        pos[f] = total;
+        for (Py_ssize_t b = 0; b < b_n; b++) {
+            if (len[f * b_n + b] < 0) {
+                PyErr_SetString(PyExc_ValueError, "impressions: a negative length");
+                goto done;
+            }
+            total += len[f * b_n + b];
+        }
+    }
+    if (total != n_ids) {
+        PyErr_SetString(PyExc_ValueError, "impressions: lengths do not add up to the ids");
+        goto done;
+    }
+    Py_ssize_t line = head.len + mid.len + 20 + 32 + (Py_ssize_t)sizeof ROW + 22 * d_n +
+                      18 * f_n + (Py_ssize_t)sizeof END;
+    out = PyBytes_FromStringAndSize(NULL, line * b_n);
+    if (!out)
+        goto done;
+    char *o = PyBytes_AS_STRING(out);
+    Py_ssize_t n_odd = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t b = 0; b < b_n; b++) {
+        char *end = impression(o, &head, &mid, b, (const float *)dense.buf, d_n,
+                               (const int64_t *)ids.buf, pos, len, f_n, b_n,
+                               ((const float *)scores.buf)[b]);
+        if (end)
+            o = end;
+        else
+            odd[n_odd++] = b;
+    }
+    Py_END_ALLOW_THREADS;
+    if (_PyBytes_Resize(&out, o - PyBytes_AS_STRING(out)))
+        goto done;
+    if (!(odd_list = PyList_New(n_odd)))
+        goto done;
+    for (Py_ssize_t k = 0; k < n_odd; k++) {
+        PyObject *i = PyLong_FromSsize_t(odd[k]);
+        if (!i)
+            goto done;
+        PyList_SET_ITEM(odd_list, k, i);
+    }
+    result = PyTuple_Pack(2, out, odd_list);
+done:
+    Py_XDECREF(out);
+    Py_XDECREF(odd_list);
+    PyMem_RawFree(pos);
+    PyMem_RawFree(odd);
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&mid);
+    PyBuffer_Release(&dense);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&lengths);
+    PyBuffer_Release(&scores);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"columns", columns, METH_VARARGS,
      "columns(buf, max_features) -> None | int | tuple: a canonical ScoreRequest's columns."},
+    {"impressions", impressions, METH_VARARGS,
+     "impressions(head, mid, dense, values, lengths, scores) -> (bytes, [odd examples])."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_fastwire",
-    "A canonically encoded ScoreRequest -> its columns (serving/gateway/wire.py's native twin).",
+    "A canonically encoded ScoreRequest -> its columns (serving/gateway/wire.py's native twin);"
+    " scored examples -> the feature log's lines (serving/gateway/featurelog.py's).",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 

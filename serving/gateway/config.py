@@ -14,6 +14,7 @@ from typing import Literal
 from recsys_stack.config import env_field
 from recsys_stack.logpump import LogConfig
 from serving.gateway.discovery import Discovery
+from serving.gateway.featurelog import FeatureLogConfig
 from serving.gateway.validate import Limits
 
 GATEWAY_PORT_ENV = "RECSYS_GATEWAY_PORT"
@@ -274,6 +275,8 @@ class GatewayConfig:
     """Idle and silent connections closed, caps below the open-files limit."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Prometheus metrics endpoint."""
+    feature_log: FeatureLogConfig = field(default_factory=FeatureLogConfig)
+    """The closed loop's log of what was scored, and ``Feedback`` clicks (off by default)."""
     log_level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
     """DEBUG also logs every TorchServe call with its request and example counts, and turns
     the log's rate limit off (``log.per_kind``)."""

@@ -200,10 +200,19 @@ def decode_inputs(request: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return decode_tensors(sent, GRPC)
 
 
-def encode_scores(request: Any, scores: np.ndarray, version: str, raw: bool) -> Any:
+def reply_id(client_id: str, request_id: str) -> str:
+    """A reply's ``id``: the client's own id when it gave one (echoed, as the protocol says),
+    else the gateway's request id (which is always in the reply's ``parameters.request_id``:
+    the one a ``Feedback`` click names)."""
+    return client_id or request_id
+
+
+def encode_scores(
+    request: Any, scores: np.ndarray, version: str, raw: bool, request_id: str = ""
+) -> Any:
     """Scores f32[B] -> ``ModelInferResponse`` (raw or typed, as the request was)."""
     reply = kserve_pb2.ModelInferResponse(
-        model_name=request.model_name, model_version=version, id=request.id
+        model_name=request.model_name, model_version=version, id=reply_id(request.id, request_id)
     )
     out = reply.outputs.add(name=OUTPUT, datatype=SCORES.datatype, shape=[int(scores.size)])
     if raw:
@@ -221,6 +230,7 @@ class Scored(NamedTuple):
     version: str
     parameters: dict[str, str]  # the answer's parameters: backend, device, variant, dtype
     metadata: tuple[tuple[str, str], ...]  # gRPC trailing metadata, HTTP response headers
+    request_id: str  # the gateway's (serving/gateway/request_ids.py): what a click names
 
 
 class Model:
@@ -296,11 +306,15 @@ class Model:
 
     async def score(self, arrays: Arrays, version: str, time_remaining: float | None) -> Scored:
         """The one scoring path (and version routing) of every API."""
-        scores, backend, version = await self.ranker.score_arrays(arrays, version, time_remaining)
+        got = await self.ranker.score_arrays(arrays, version, time_remaining)
+        scores, backend, version, request_id = got
         pool = self.ranker.pool
-        # what scored it, in the protocol's own place for it (ModelMetadata has no parameters)
-        params = {"backend": backend, **pool.served(backend, version)}
-        return Scored(scores, backend, version, params, pool.call_metadata(backend, version))
+        # what scored it, in the protocol's own place for it (ModelMetadata has no parameters);
+        # the gateway's request id there too, whatever ``id`` the client gave (reply_id)
+        params = {"backend": backend, **pool.served(backend, version), "request_id": request_id}
+        return Scored(
+            scores, backend, version, params, pool.call_metadata(backend, version), request_id
+        )
 
 
 class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
@@ -360,8 +374,9 @@ class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc
             await context.abort(e.code, e.message)
         context.set_trailing_metadata(scored.metadata)
         reply = encode_scores(
-            request, scored.scores, scored.version, raw=bool(request.raw_input_contents)
-        )
+            request, scored.scores, scored.version, bool(request.raw_input_contents),
+            scored.request_id,
+        )  # fmt: skip
         for key, value in scored.parameters.items():
             reply.parameters[key].string_param = value
         return reply

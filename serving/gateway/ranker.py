@@ -14,16 +14,18 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import numpy as np
 
-from serving.gateway import metrics, tenants
+from serving.gateway import feedback, metrics, tenants
 from serving.gateway.admission import Admission
 from serving.gateway.backends import BackendPool
 from serving.gateway.coalesce import Arrays, Coalescer, Expired, ScoreCountError
 from serving.gateway.config import CoalesceConfig, GatewayConfig
 from serving.gateway.errors import BackendError, ScoreError
+from serving.gateway.featurelog import FeatureLog, request_ids
 from serving.gateway.replica import Backend
 from serving.gateway.validate import InvalidRequest, Schema, clip
 from serving.gateway.wire import decode_score_request, peek_examples, score_response
@@ -68,6 +70,8 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         self._slots_said: dict[str, int | str] | None = None  # the workers last logged
         self.body_limit = cfg.backend_max_bytes - ENVELOPE_BYTES - HEADER.size
         self.coalescers: dict[str, Coalescer] = {}  # per version: a merged call is one version
+        self.ids = request_ids(cfg.feature_log)  # KeyFileError when the key is unusable
+        self.feature_log: FeatureLog | None = None  # set by the server when feature_log.enabled
         lim = cfg.limits
         self.admission = Admission(
             lim.max_inflight_examples,
@@ -164,10 +168,12 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
 
     async def score_arrays(
         self, arrays: Arrays, version: str, time_remaining: float | None
-    ) -> tuple[np.ndarray, str, str]:
-        """Validated arrays -> (scores f32[B], backend, version that scored them): the one
-        scoring path behind every API (``recsys.v1`` and KServe v2); ``version`` "" = the
-        plan's choice. Raises :class:`ScoreError` with the call's status code."""
+    ) -> tuple[np.ndarray, str, str, str]:
+        """Validated arrays -> (scores f32[B], backend, version that scored them, request
+        id): the one scoring path behind every API (``recsys.v1`` and KServe v2); ``version``
+        "" = the plan's choice. Raises :class:`ScoreError` with the call's status code. The
+        id is issued here and the examples go to the feature log (when on) from here: every
+        front door logs alike."""
         version = self.resolve(version)
         examples = int(arrays[0].shape[0])
         metrics.examples(examples)
@@ -195,7 +201,11 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             metrics.failed(version, error.code)
             raise error
         metrics.scored(version, scores)
-        return scores, backend, version
+        ms = time.time_ns() // 1_000_000
+        request_id = self.ids.issue(examples, ms)
+        if self.feature_log is not None:  # references enqueued: formatted by its thread
+            self.feature_log.scored(request_id, arrays, version, scores, ms)
+        return scores, backend, version, request_id
 
     async def Score(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """``recsys.v1.Ranker/Score``: bytes in, bytes out (registered raw): an overload is
@@ -221,7 +231,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             metrics.rejected("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            scores, backend, version = await self.score_arrays(
+            scores, backend, version, request_id = await self.score_arrays(
                 arrays, version, context.time_remaining()
             )
         except ScoreError as e:
@@ -229,4 +239,13 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         # trailing, not initial: it leaves with the status in the answer's one batch (initial
         # metadata of our own would be a batch, a sendmsg and its wake-ups more per call)
         context.set_trailing_metadata(self.pool.call_metadata(backend, version))
-        return score_response(scores, self.plan.model, version)
+        return score_response(scores, self.plan.model, version, request_id)
+
+    async def Feedback(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """``recsys.v1.Ranker/Feedback``: clicks on scored examples, all or none
+        (serving/gateway/feedback.py)."""
+        try:
+            accepted = feedback.accept(self.feature_log, self.ids, request.clicks)
+        except ScoreError as e:
+            await context.abort(e.code, e.message)
+        return feedback.response(accepted)

@@ -41,10 +41,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from aiohttp import hdrs, web
 
-from serving.gateway import memory, metrics, tenants
+from serving.gateway import feedback, memory, metrics, tenants
 from serving.gateway.auth import UNUSABLE, AuthInterceptor, bearer_token
 from serving.gateway.errors import ScoreError
-from serving.gateway.kserve import OUTPUT, SCORES, Model, Scored
+from serving.gateway.kserve import OUTPUT, SCORES, Model, Scored, reply_id
 from serving.gateway.kserve_json import (
     DECODES,
     HEADER_LENGTH,
@@ -65,6 +65,7 @@ logger = logging.getLogger("serving.gateway.rest")
 OPEN = ("/v2/health/live", "/v2/health/ready")  # no token needed unless auth.protect_health
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,  # as google.rpc's HTTP mapping has it
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
@@ -125,6 +126,7 @@ class Rest:
             get(prefix, self.model_metadata)
             get(prefix + "/ready", self.model_ready)
             app.router.add_post(prefix + "/infer", self.infer, expect_handler=self._expect)
+        app.router.add_post("/v1/feedback", self.feedback)  # recsys.v1.Ranker/Feedback
         return app
 
     # --- the door: metrics, auth, errors -------------------------------------------------
@@ -139,7 +141,7 @@ class Rest:
             status = e.status if e is not None else 404
             return _json({"error": f"no such endpoint: {request.method} {clip(request.path)} "
                           "(KServe v2: /v2, /v2/health/ready, /v2/models/{name}[/versions/{v}]"
-                          "[/ready|/infer])"}, status)  # fmt: skip
+                          "[/ready|/infer]; POST /v1/feedback)"}, status)  # fmt: skip
         t0 = time.perf_counter()
         m = self.m
         if m is not None:
@@ -293,13 +295,31 @@ class Rest:
             tenants.leave(who)
         return self._reply(name, parsed, scored)
 
+    async def feedback(self, request: web.Request) -> web.Response:
+        """``POST /v1/feedback``: clicks as JSON, all or none (serving/gateway/feedback.py)."""
+        ranker = self.model.ranker
+        try:
+            async with asyncio.timeout(self.limits.read_timeout_s):
+                body = await request.read()
+        except TimeoutError:
+            raise HttpError(408, grpc.StatusCode.DEADLINE_EXCEEDED, "the request body did not "
+                            "arrive in time (limits.read_timeout_s)", Connection="close") from None  # fmt: skip
+        log = ranker.feature_log
+        try:
+            clicks = feedback.clicks_of(body, log.cfg.max_clicks if log else 0)
+        except ValueError as e:
+            if log is not None:
+                log.clicks_refused["invalid"] += 1
+                raise HttpError(400, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            clicks = []  # the log is off: that is the answer, whatever the body
+        return _json({"accepted": feedback.accept(log, ranker.ids, clicks)})
+
     def _reply(self, name: str, infer: Infer, scored: Scored) -> web.Response:
         out: dict[str, Any] = {"name": OUTPUT, "datatype": SCORES.datatype,
                                "shape": [int(scored.scores.size)]}  # fmt: skip
         doc = {"model_name": name, "model_version": scored.version, "outputs": [out],
                "parameters": scored.parameters}  # fmt: skip
-        if infer.id:
-            doc["id"] = infer.id
+        doc["id"] = reply_id(infer.id, scored.request_id)  # ours also in parameters
         headers = dict(scored.metadata)
         if not infer.binary:
             out["data"] = scored.scores.tolist()

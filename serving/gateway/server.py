@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from recsys_stack.config import ConfigError, parse
-from serving.gateway import connections, kserve, logs, metrics, rest, tenant_metrics
+from serving.gateway import connections, featurelog, kserve, logs, metrics, rest, tenant_metrics
 from serving.gateway.admission import AdmissionInterceptor
 from serving.gateway.auth import AuthError, identifier, refusal
 from serving.gateway.auth import interceptors as auth_interceptors
@@ -173,6 +173,9 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     plan = watcher.load() if watcher else schema_plan(schema)
     ranker = Ranker(cfg, schema, pool, plan)
     apply_plan(ranker, plan)
+    if cfg.feature_log.enabled:  # a thread of its own writes what the scoring path enqueues
+        ranker.feature_log = featurelog.FeatureLog(cfg.feature_log, schema.model_name, ranker.ids)
+        featurelog.register(m.registry, ranker.feature_log)
     scoring = (f"/{SERVICE}/Score", f"/{kserve.SERVICE}/ModelInfer")
     # metrics outermost: refused calls are counted with their code too; admission after auth:
     # an unauthenticated caller learns nothing about the load. One chain: one level per call
@@ -251,6 +254,8 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     # aiohttp closes its listener first, then lets calls in flight finish within the grace
     await asyncio.gather(server.stop(cfg.grace_s), *([http[0].cleanup()] if http else []))
     await pool.close()
+    if ranker.feature_log is not None:  # every call has ended: its queue holds all there is
+        await asyncio.to_thread(ranker.feature_log.close)
     if metrics_server is not None:
         metrics_server.close()
 
@@ -285,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.metrics.token_file:
             read_metrics_tokens(cfg.metrics.token_file)  # and the metrics' one
         server_credentials(cfg.tls)  # the PEM files are
+        featurelog.request_ids(cfg.feature_log)  # the request-id key (made when missing)
         logs.configure(cfg)  # from here: rate-limited, rotated, after a start mark (logs.py)
     except (ConfigError, OSError, KeyError, ValueError, KeyFileError, AuthError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     from serving.gateway.backends import BackendPool
     from serving.gateway.coalesce import Arrays
     from serving.gateway.config import GatewayConfig
+    from serving.gateway.featurelog import FeatureLog
+    from serving.gateway.request_ids import RequestIds
     from serving.gateway.validate import Schema
     from serving.plan import Plan
 
@@ -24,9 +26,11 @@ class Scorer(Protocol):
     schema: Schema
     pool: BackendPool
     plan: Plan
+    ids: RequestIds
+    feature_log: FeatureLog | None
 
     def resolve(self, version: str) -> str: ...
 
     async def score_arrays(
         self, arrays: Arrays, version: str, time_remaining: float | None
-    ) -> tuple[np.ndarray, str, str]: ...
+    ) -> tuple[np.ndarray, str, str, str]: ...

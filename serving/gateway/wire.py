@@ -27,7 +27,7 @@ that a clean request skips them). Both give the same answer for every input (tes
 on random, crafted and fuzzed bytes).
 
 The other messages of a call skip protobuf's objects too: :func:`score_response` writes the
-``ScoreResponse`` bytes, :func:`prediction_of` slices TorchServe's answer out of its
+``ScoreResponse`` bytes (request id included), :func:`prediction_of` slices TorchServe's answer out of its
 ``PredictionResponse``.
 """
 
@@ -323,13 +323,17 @@ def _columns(parsed: Parsed) -> Columns | None:
     )
 
 
-def score_response(scores: np.ndarray, model_name: str, model_version: str) -> bytes:
+def score_response(
+    scores: np.ndarray, model_name: str, model_version: str, request_id: str = ""
+) -> bytes:
     """A ``ScoreResponse``'s bytes, exactly as protobuf serializes it (fields in order, the
     scores packed, empty fields left out), without its message object or a Python float per
     score."""
     data = np.ascontiguousarray(scores, dtype="<f4").tobytes()
     names = _response_names(model_name, model_version)
-    return b"".join((field_head(0x0A, len(data)), data, names)) if data else names
+    rid = request_id.encode("utf-8")
+    tail = field_head(0x22, len(rid)) + rid if rid else b""
+    return b"".join((field_head(0x0A, len(data)), data, names, tail)) if data else names + tail
 
 
 @functools.lru_cache(maxsize=64)

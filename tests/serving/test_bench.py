@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from serving.bench.config import METHODS
+from serving.bench.config import LOGGED, METHODS
 from serving.bench.measure import Cell
 from serving.bench.model import Model, payload
 from serving.bench.plain_handler import PlainHandler
@@ -72,7 +72,7 @@ def test_a_tiny_run_measures_every_method_at_every_cell(
     args = [
         "--export", str(export), "--model-store", str(store), "--sizes", "[1, 10]",
         "--concurrency", "[1, 2]", "--requests", "4", "--rounds", "1", "--warmup", "2", "--warmup-s", "0.5",
-        "--json", str(out),
+        "--json", str(out), "--feature-log",  # gateway+log too: the feature log's cost
     ]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "serving.bench", *args],
@@ -83,8 +83,9 @@ def test_a_tiny_run_measures_every_method_at_every_cell(
     doc = json.loads(out.read_text())
     got = {(r["method"], r["examples"], r["concurrency"]): r for r in doc["results"]}
     want = {
-        (m, n, c) for m in METHODS for n in (1, 10) for c in (1, 2) if m != "in-process" or c == 1
-    }
+        (m, n, c) for m in [*METHODS, LOGGED] for n in (1, 10) for c in (1, 2)
+        if m != "in-process" or c == 1
+    }  # fmt: skip
     assert set(got) == want
     for r in got.values():
         assert r["errors"] == 0 and r["requests"] >= 4, r
@@ -97,6 +98,8 @@ def test_a_tiny_run_measures_every_method_at_every_cell(
     assert methods["plain-torchserve"]["workers"] == doc["settings"]["usable_cores"]
     assert methods["plain-torchserve"]["threads_per_worker"] == [1]  # --plain-threads 1
     assert "plain-torchserve" in proc.stdout and "efficiency" in proc.stdout
+    assert methods[LOGGED]["gateway"]["feature_log"]["enabled"]
+    assert not methods["gateway"]["gateway"]["feature_log"]["enabled"]
 
 
 def test_the_refusal_floor_tool_runs_and_prints_its_figures() -> None:

@@ -36,6 +36,22 @@ for i in range(3000):
     assert _walk(data, True) == _walk(data, False), data[:60]
     ref, ours = _reference(data), _ours(data)
     assert isinstance(ref, str) == isinstance(ours, str), data[:60]
+from serving.gateway.featurelog import format_impressions, heads
+head, mid = heads("a.b.1.c", 1, "m", "v")
+for i in range(300):  # the feature log's lines: the C formatter against its Python twin
+    b = int(rng.integers(0, 40))
+    dense = rng.integers(-9, 99, (b, 13)).astype(np.float32)
+    dense[rng.random((b, 13)) < 0.01] = 0.5
+    lengths = rng.integers(0, 3 if i % 3 else 2, (26, b)).astype(np.int32)
+    values = rng.integers(0, 2**63 - 1, int(lengths.sum()), dtype=np.int64)
+    args = (head, mid, dense, values, lengths, rng.random(b).astype(np.float32))
+    assert wire._fastwire.impressions(*args) == format_impressions(*args)
+    if values.size:
+        try:
+            wire._fastwire.impressions(head, mid, dense, values[:-1], lengths, args[-1])
+            raise AssertionError("ids short of the lengths were read")
+        except ValueError:
+            pass
 print("clean")
 """
 
@@ -48,7 +64,7 @@ def _runtime(name: str) -> str:
     return path
 
 
-def test_the_native_walk_reads_nothing_it_should_not(tmp_path: Path) -> None:
+def test_the_native_code_reads_nothing_it_should_not(tmp_path: Path) -> None:
     built = tmp_path / "_fastwire_asan.so"
     subprocess.run(
         ["gcc", "-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",

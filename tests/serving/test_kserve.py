@@ -135,6 +135,8 @@ def test_typed_contents_in_typed_contents_out(stack: Stack, served: tuple[str, s
     assert not reply.raw_output_contents
     # what scored it (KServe v2's ModelMetadata has no parameters: the answer carries them)
     params = {k: v.string_param for k, v in reply.parameters.items()}
+    # the gateway's request id (what a Feedback click names): the reply's id when none was sent
+    assert params.pop("request_id") == reply.id and reply.id.count(".") == 3
     assert params == {"backend": stack.cfg.grpc_inference_target, "device": "cpu",
                       "variant": variant, "dtype": variant}  # fmt: skip
     (out,) = reply.outputs

@@ -311,17 +311,18 @@ def test_the_vectorized_varints_read_small_fields_like_one_by_one() -> None:
 
 def test_the_response_bytes_are_protobufs_own() -> None:
     rng = np.random.default_rng(5)
-    for n, name, version in (
-        (0, "", ""),
-        (1, "m", "1"),
-        (33, "bench", "ü-2"),
-        (1000, "x" * 200, ""),
+    for n, name, version, rid in (
+        (0, "", "", ""),
+        (0, "", "", "a.b.0.c"),
+        (1, "m", "1", "mxae1y8x.d2706193ffe7.1.020a9f7062c185ee"),
+        (33, "bench", "ü-2", ""),
+        (1000, "x" * 200, "", "r" * 200),
     ):
         scores = rng.random(n).astype(np.float32)
         ref = ranker_pb2.ScoreResponse(
-            scores=scores.tolist(), model_name=name, model_version=version
+            scores=scores.tolist(), model_name=name, model_version=version, request_id=rid
         )
-        assert score_response(scores, name, version) == ref.SerializeToString()
+        assert score_response(scores, name, version, rid) == ref.SerializeToString()
 
 
 def test_the_prediction_is_read_like_protobuf_does() -> None:
