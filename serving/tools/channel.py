@@ -33,21 +33,22 @@ from serving.gateway.exposure import read_pem
 
 Metadata = tuple[tuple[str, str], ...]
 
-# Every gateway method is side-effect free (scoring, KServe v2, health, reflection), so a
-# call that failed UNAVAILABLE or CANCELLED may go again. A takeover (a second gateway on the
-# port, SIGTERM to the first: docs/chaos.md) costs exactly such calls: grpc core CANCELs the
-# calls the stopping server had received but not yet handed to Python (grpc/grpc#41785:
-# CANCELLED, not UNAVAILABLE, in grpc 1.81), and a reconnect that lands in the closing
-# listener's accept queue is reset, after which the channel fails calls fast UNAVAILABLE. Up
-# to 5 attempts (grpc's most), 100 ms - 1 s of backoff (jittered: 0.75 s expected, 1.5 s at
-# most before the last): a takeover's reset window, which lasts as long as the stopping
-# gateway takes to close its listener (tens of ms quiet, longer on a loaded machine: 50-800 ms
-# left one call of the takeover phase failed in a busy
-# 2-core CI run), not an outage (a gateway that stays
-# down still fails within 2 s). Throttled per channel (grpc's retryThrottling):
-# once about half of 10 tokens are spent on failures, no retries until successes earn them
-# back, so a gateway that answers UNAVAILABLE to everything (no replica left) is not asked 5
-# times as often. Requests over grpc's per-call retry buffer (256 KiB) are not retried.
+# Every gateway method but Feedback is side-effect free (scoring, KServe v2, health,
+# reflection), and Feedback is idempotent where it counts (the joiner makes one row of a click
+# reported twice), so a call that failed UNAVAILABLE or CANCELLED may go again. A takeover (a
+# second gateway on the port, SIGTERM to the first: docs/chaos.md) costs exactly such calls:
+# grpc core CANCELs the calls the stopping server had received but not yet handed to Python
+# (grpc/grpc#41785: CANCELLED, not UNAVAILABLE, in grpc 1.81), and a reconnect that lands in
+# the closing listener's accept queue is reset, after which the channel fails calls fast
+# UNAVAILABLE. Up to 5 attempts (grpc's most), 100 ms - 1 s of backoff (jittered: 0.75 s
+# expected, 1.5 s at most before the last) cover a takeover's reset window, which lasts as
+# long as the stopping gateway takes to close its listener: tens of ms on a quiet machine,
+# longer on a loaded one (with 50-800 ms, one call of a takeover failed in a busy 2-core CI
+# run). Not an outage: a gateway that stays down still fails within 2 s. Throttled per
+# channel (grpc's retryThrottling): once about half of 10 tokens are spent on failures, no
+# retries until successes earn them back, so a gateway that answers UNAVAILABLE to everything
+# (no replica left) is not asked 5 times as often. Requests over grpc's per-call retry buffer
+# (256 KiB) are not retried.
 RETRY_POLICY = {
     "maxAttempts": 5,
     "initialBackoff": "0.1s",
