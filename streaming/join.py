@@ -29,9 +29,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pyflink.common import Types
 from pyflink.datastream import KeyedProcessFunction, RuntimeContext, TimeDomain
 from pyflink.datastream.state import ValueStateDescriptor
-from pyflink.common import Types
 
 OPEN, POSITIVE, NEGATIVE = 1, 2, 3
 COUNTERS = ("rows_joined", "positives", "negatives", "late_clicks", "out_of_window_clicks",
@@ -130,12 +130,18 @@ class Join(KeyedProcessFunction):
         event = ctx.time_domain() == TimeDomain.EVENT_TIME
         if "status" not in s:  # clicks whose impression never came
             due = max(s["pending"]) + self.window_ms + self.retention_ms
-            if (timestamp >= due) if event else (timestamp >= s["pending_wall"] + 2 * self.wall_close_ms):
+            if (
+                (timestamp >= due)
+                if event
+                else (timestamp >= s["pending_wall"] + 2 * self.wall_close_ms)
+            ):
                 self._count("unmatched_clicks", len(s["pending"]))
                 self.state.clear()
             return
         if s["status"] == OPEN and (
-            timestamp >= s["et"] + self.window_ms if event else timestamp >= s["wall"] + self.wall_close_ms
+            timestamp >= s["et"] + self.window_ms
+            if event
+            else timestamp >= s["wall"] + self.wall_close_ms
         ):
             yield self._write(s, None)
             self.state.update(s)
@@ -150,7 +156,9 @@ class Join(KeyedProcessFunction):
         elif timestamp >= s["closed_wall"] + self.wall_close_ms:
             self.state.clear()
         else:  # written by a click: clear it wall_close after that, if no watermark did
-            ctx.timer_service().register_processing_time_timer(s["closed_wall"] + self.wall_close_ms)
+            ctx.timer_service().register_processing_time_timer(
+                s["closed_wall"] + self.wall_close_ms
+            )
 
 
 def _now_ms() -> int:

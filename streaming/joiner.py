@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from recsys_stack import config as rc
+from recsys_stack.config import config_parser, from_args
 from recsys_stack.online import CLICKS, IMPRESSIONS
 from streaming.config import JoinerConfig
 from streaming.mover import PART_PREFIX, Mover
@@ -156,9 +156,14 @@ def build(cfg: JoinerConfig, restore: Path | None):  # -> StreamExecutionEnviron
         .uid("join")
     )
     sink = (
-        FileSink.for_row_format(str((cfg.state / "staging").resolve()), Encoder.simple_string_encoder())
+        FileSink.for_row_format(
+            str((cfg.state / "staging").resolve()), Encoder.simple_string_encoder()
+        )
         .with_output_file_config(
-            OutputFileConfig.builder().with_part_prefix(PART_PREFIX).with_part_suffix(".tsv").build()
+            OutputFileConfig.builder()
+            .with_part_prefix(PART_PREFIX)
+            .with_part_suffix(".tsv")
+            .build()
         )
         .with_rolling_policy(RollingPolicy.on_checkpoint_rolling_policy())
         .with_bucket_assigner(BucketAssigner.base_path_bucket_assigner())
@@ -202,14 +207,14 @@ def run(cfg: JoinerConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = rc.config_parser(
+    parser = config_parser(
         JoinerConfig,
         prog="python -m streaming.joiner",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description=(__doc__ or "").split("\n\n")[0],
         epilog="Runs under .venv-flink (make flink-setup) with PYTHONPATH=<repository root>.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cfg = rc.from_args(JoinerConfig, parser.parse_args(argv))
+    cfg = from_args(JoinerConfig, parser.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # the Python workers Flink starts import streaming.join by name
     os.environ["PYTHONPATH"] = os.pathsep.join(

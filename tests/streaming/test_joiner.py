@@ -9,6 +9,7 @@ flink-setup`` builds that environment; ``make test`` does it first). Small windo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -99,15 +100,11 @@ class Joiner:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
         if self.proc is not None:
-            try:  # whatever it started (the JVM, Python workers) goes too
+            with contextlib.suppress(ProcessLookupError):  # the JVM, Python workers: all
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def rows(self) -> list[tuple[int, int]]:
         """(impression n, label) of every row in the inbox's complete files."""
