@@ -59,6 +59,9 @@ class JoinerConfig:
     """Flink's default parallelism (the sources, the join, the sink)."""
     metrics_port: int = env_field(METRICS_PORT_ENV, METRICS_PORT)
     """Flink's Prometheus reporter listens here (/metrics); 0 = no reporter."""
+    python_executable: str = ""
+    """The Python Flink's workers run the join in ("" = this interpreter, right for a local
+    MiniCluster; on a cluster the one its task managers have PyFlink in)."""
     move_interval: float = 0.5
     """Seconds between the mover's scans of the staging folder."""
 

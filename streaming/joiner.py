@@ -75,7 +75,7 @@ def flink_settings(cfg: JoinerConfig, restore: Path | None) -> dict[str, str]:
         "restart-strategy.failure-rate.max-failures-per-interval": "5",
         "restart-strategy.failure-rate.failure-rate-interval": "5 min",
         "restart-strategy.failure-rate.delay": "2 s",
-        "python.executable": sys.executable,
+        "python.executable": cfg.python_executable or sys.executable,
         "python.client.executable": sys.executable,
         "python.fn-execution.bundle.time": "100",  # ms: flush Python's output promptly
         "table.exec.source.idle-timeout": f"{int(cfg.idle_timeout * 1000)} ms",
