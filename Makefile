@@ -59,11 +59,17 @@ $(VENV)/.installed: requirements/lock.txt requirements/device-cpu.txt pyproject.
 UV_COMPILE = $(VENV)/bin/uv pip compile --generate-hashes --find-links /opt/wheels --python-version 3.11 \
 	--python-platform x86_64-manylinux_2_28 --no-emit-package recsys-stack --no-emit-package torch \
 	--custom-compile-command "make lock" pyproject.toml
-lock:  ## re-resolve requirements/*.lock.txt from pyproject.toml's ranges (uv)
+# The Flink joiner's environment is resolved on its own (requirements/flink.in): PyFlink pins
+# protobuf 5, grpcio 1.65 and pandas apart from the training/serving lock.
+FLINK_COMPILE = $(VENV)/bin/uv pip compile --generate-hashes --find-links /opt/wheels --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" \
+	requirements/flink.in -o requirements/flink.lock.txt
+lock:  ## re-resolve requirements/*.lock.txt from pyproject.toml's ranges and requirements/flink.in (uv)
 	$(UV_COMPILE) --all-extras -o requirements/lock.txt
 	$(UV_COMPILE) --extra train --extra serve -c requirements/lock.txt -o requirements/torch.lock.txt
 	$(UV_COMPILE) --extra serve -c requirements/lock.txt -o requirements/serve.lock.txt
 	$(UV_COMPILE) --extra load -c requirements/lock.txt -o requirements/load.lock.txt
+	$(FLINK_COMPILE)
 
 TRAIN_ARGS = --config training/configs/$(PRESET).toml --run-dir $(RUN) $(if $(DATA),--data $(DATA)) $(ARGS)
 
@@ -210,6 +216,32 @@ score: setup  ## score ROWS rows of DATA (Criteo TSV; default: the served model'
 loadtest: setup  ## headless Locust against the gateway: USERS, SPAWN_RATE, DURATION, OUT; report + summary.json + PNG; exit 3 when > 1% of calls fail
 	$(PY) -m loadtest.run --users $(USERS) --spawn-rate $(SPAWN_RATE) --duration $(DURATION) --out $(OUT) $(LOADTEST_ARGS)
 
+# The Flink joiner (streaming/, docs/online.md "The joiner"), in an environment of its own:
+# .venv-flink from requirements/flink.lock.txt (hash-pinned; PyFlink 2.3 with its 329 MB of
+# jars, about 850 MB in all, 2 minutes the first time; a marker file makes later runs skip it).
+FLINK_VENV ?= .venv-flink
+.PHONY: flink-setup joiner
+flink-setup: $(FLINK_VENV)/.installed  ## create .venv-flink (PyFlink 2.3, Java 17 runs its MiniCluster) from requirements/flink.lock.txt
+$(FLINK_VENV)/.installed: requirements/flink.lock.txt
+	@echo "flink-setup: installing PyFlink into $(FLINK_VENV) (first run, or a changed lock: about 850 MB, 2 minutes; later runs skip this)" >&2
+	$(PYTHON) -m venv $(FLINK_VENV)
+	$(FLINK_VENV)/bin/python -m pip install -q --require-hashes --no-deps -r requirements/flink.lock.txt
+	$(FLINK_VENV)/bin/python -c "import pyflink.version as v; print('pyflink', v.__version__)"
+	touch $@
+
+# LOGDIR: the gateway's feature log (impressions/, clicks/); OUT: the continuous loop's input
+# folder (make continuous DATA_DIR=...; default runs/online/inbox); WINDOW: seconds W;
+# JOINER_STATE: checkpoints, staging, the mover's state, the manifest joined.jsonl (keep it:
+# a restart resumes from it). JOINER_ARGS: more flags (JOINER_ARGS=--help lists them).
+LOGDIR ?= runs/online/logs
+WINDOW ?=
+JOINER_STATE ?= runs/online/joiner
+JOINER_ARGS ?=
+joiner: flink-setup  ## the Flink joiner on a local MiniCluster: LOGDIR's impressions + clicks -> labelled TSV files in OUT (default runs/online/inbox), exactly once [WINDOW= JOINER_STATE= JOINER_ARGS=--help]
+	PYTHONPATH=$(CURDIR) $(FLINK_VENV)/bin/python -m streaming.joiner --logdir $(LOGDIR) \
+		--out $(if $(filter file,$(origin OUT)),runs/online/inbox,$(OUT)) --state $(JOINER_STATE) \
+		$(if $(WINDOW),--window $(WINDOW)) $(JOINER_ARGS)
+
 .PHONY: chaos
 CHAOS_ARGS ?=
 chaos: setup  ## RUN's export on 2 replicas + gateway under Locust, a fault every 20 s for 2 min: OUT (default reports/chaos-<time>)/report.json, chaos.png
@@ -282,7 +314,7 @@ bench-isolation: setup  ## legit client alone vs beside 8 abusers: success %, p9
 # started: TorchServe, torchrun, Locust; 3 on 2 cores overlap those waits). TEST_WORKERS=0: one
 # process.
 TEST_WORKERS ?= 3
-test: test-deps setup  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
+test: test-deps setup flink-setup  ## the CI suite (CPU, real torchrun process groups, real compose/Prometheus)
 	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) --ignore=tests/containers --ignore=tests/slurm $(PYTEST_ARGS)
 
 # The stack in real containers (tests/containers: docker-compose over podman's socket, podman kube
@@ -308,7 +340,7 @@ test-deps:  ## install the system tools the suite needs (apt: docker-compose, pr
 	$$sudo_ apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo_ apt-get install -y -qq$$missing >/dev/null
 
 lint: setup  ## ruff + mypy
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy training serving loadtest recsys_stack recsys_model
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy training serving loadtest recsys_stack recsys_model streaming
 
 fmt: setup
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .

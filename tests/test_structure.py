@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("recsys_stack", "recsys_model", "training", "serving", "loadtest")
+PACKAGES = ("recsys_stack", "recsys_model", "training", "serving", "loadtest", "streaming")
 # The two stages share only the bottom layer: neither imports the other.
 BOTTOM = ("recsys_stack", "recsys_model")
 STAGES = ("training", "serving")
@@ -25,6 +25,14 @@ MAX_LINES = 400
 # Imported, deliberately not declared in pyproject.toml (its comment says why): the fbgemm build
 # depends on the device, torchrec is installed with --no-deps.
 INSTALLED_BY_MAKE_SETUP = {"fbgemm_gpu", "torchrec"}
+# Installed in an environment of their own, not the one pyproject.toml describes: PyFlink
+# (`make flink-setup`: .venv-flink from requirements/flink.lock.txt; its protobuf and grpcio pins
+# disagree with the serving lock), imported by streaming/ alone.
+OWN_ENVIRONMENT = {"pyflink": "streaming"}
+# What streaming/ (run under .venv-flink) may import of the project: the standard-library parts
+# of the bottom layer, nothing of the stages.
+STREAMING_MAY_IMPORT = ("streaming", "recsys_stack.online", "recsys_stack.config",
+                        "recsys_stack.typed", "recsys_model.atomic")  # fmt: skip
 # Imported only inside a TorchServe worker, from the archive's own folder, where the export packs
 # serving/worker/{codec,scoring,deltas}.py and recsys_model/{features,mapped,portable_model,delta,
 # atomic}.py flat.
@@ -171,6 +179,20 @@ def test_the_stages_share_only_the_bottom_layer() -> None:
     assert not upward, "the bottom layer imports a stage: " + "; ".join(upward)
 
 
+def test_streaming_imports_only_what_its_environment_holds() -> None:
+    # streaming/ runs under .venv-flink (PyFlink, no torch, no grpc of ours): of the project only
+    # the standard-library modules of the bottom layer; and no stage imports it.
+    graph = import_graph()
+    bad = sorted(
+        f"{name} -> {dep}"
+        for name, deps in graph.items()
+        for dep in deps
+        if (name.startswith("streaming") and not dep.startswith(STREAMING_MAY_IMPORT))
+        or (dep.startswith("streaming") and not name.startswith("streaming"))
+    )
+    assert not bad, "streaming/ imports beyond its environment, or is imported: " + "; ".join(bad)
+
+
 def test_serving_torchserve_does_not_import_the_gateway() -> None:
     # TorchServe's side reads the plan file; the format lives below both (serving.plan).
     arrows = sorted(
@@ -224,6 +246,7 @@ def test_every_third_party_import_is_declared() -> None:
                 or top in sys.stdlib_module_names
                 or top in INSTALLED_BY_MAKE_SETUP
                 or top in ARCHIVE_LOCAL
+                or (top in OWN_ENVIRONMENT and name.startswith(OWN_ENVIRONMENT[top]))
             ):
                 continue
             owners = {_norm(d) for d in dists.get(top, [])}
