@@ -233,7 +233,7 @@ $(FLINK_VENV)/.installed: requirements/flink.lock.txt
 # folder (make continuous DATA_DIR=...; default runs/online/inbox); WINDOW: seconds W;
 # JOINER_STATE: checkpoints, staging, the mover's state, the manifest joined.jsonl (keep it:
 # a restart resumes from it). JOINER_ARGS: more flags (JOINER_ARGS=--help lists them).
-LOGDIR ?= runs/online/logs
+LOGDIR ?= runs/serve/feature_log
 WINDOW ?=
 JOINER_STATE ?= runs/online/joiner
 JOINER_ARGS ?=
@@ -241,6 +241,14 @@ joiner: flink-setup  ## the Flink joiner on a local MiniCluster: LOGDIR's impres
 	PYTHONPATH=$(CURDIR) $(FLINK_VENV)/bin/python -m streaming.joiner --logdir $(LOGDIR) \
 		--out $(if $(filter file,$(origin OUT)),runs/online/inbox,$(OUT)) --state $(JOINER_STATE) \
 		$(if $(WINDOW),--window $(WINDOW)) $(JOINER_ARGS)
+
+# The closed loop (issue 49, docs/online.md): a first model, the stack with its feature log on,
+# simulated users and clicks, the Flink joiner, make continuous with deltas, until Ctrl-C (or
+# ONLINE_ARGS=--duration 10m), then its figures in reports/online/report.json.
+ONLINE_ARGS ?=
+.PHONY: demo-online
+demo-online: setup flink-setup  ## serve -> simulated traffic + clicks -> Flink join -> continuous training with deltas -> served, until Ctrl-C; figures in reports/online [ONLINE_ARGS=--help]
+	$(PY) -m loadtest.online_demo $(ONLINE_ARGS)
 
 .PHONY: chaos
 CHAOS_ARGS ?=

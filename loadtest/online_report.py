@@ -64,12 +64,19 @@ def expected_rows(
     return want, dict(counts)
 
 
-def joined_rows(files: Iterable[Path]) -> Counter[str]:
+def joined_rows(files: Iterable[Path], staged: Iterable[Path] = ()) -> tuple[Counter[str], int]:
+    """The rows (``label\trow`` -> count) of the joined ``files`` and of the joiner's committed
+    ``staged`` parts (lines ``<click ms>\t<label>\t<row>``: rows waiting for a file of
+    ``--min-rows``); and how many were staged."""
     rows: Counter[str] = Counter()
     for path in files:
         with path.open() as f:
             rows.update(line.rstrip("\n") for line in f if line.strip())
-    return rows
+    waiting: Counter[str] = Counter()
+    for path in staged:
+        with path.open() as f:
+            waiting.update(line.rstrip("\n").partition("\t")[2] for line in f if line.strip())
+    return rows + waiting, sum(waiting.values())
 
 
 def accounting(want: Counter[str], got: Counter[str]) -> dict[str, int]:
@@ -93,8 +100,8 @@ def accounting(want: Counter[str], got: Counter[str]) -> dict[str, int]:
 
 
 def freshness(manifest: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[str, Any]:
-    """Click-to-served seconds (module doc) from the joiner's manifest (per file: ``file``,
-    ``click_times_ms``) and the loop's events (``file`` in order, promoted ``delta`` with
+    """Click-to-served seconds (module doc) from the joiner's manifest (per file: ``name``,
+    ``click_event_ms``) and the loop's events (``file`` in order, promoted ``delta`` with
     ``after`` and ``acked_at``)."""
     order = {e["file"]: k for k, e in enumerate(x for x in events if x["event"] == "file")}
     served = sorted((order[d["after"]], float(d["acked_at"])) for d in events
@@ -102,9 +109,9 @@ def freshness(manifest: list[dict[str, Any]], events: list[dict[str, Any]]) -> d
                     and d.get("after") in order)  # fmt: skip
     seconds, unserved = [], 0
     for m in manifest:
-        k = order.get(m["file"])
+        k = order.get(m["name"])
         at = next((t for j, t in served if k is not None and j >= k), None)
-        for ct in m.get("click_times_ms", []):
+        for ct in m.get("click_event_ms", []):
             if at is None:
                 unserved += 1
             else:

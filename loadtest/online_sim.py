@@ -122,7 +122,8 @@ class Simulator:
         self.world = World(spec, a.day_s, a.drift)
         self.client = RankerClient(a.target, timeout=a.timeout_s, channel=from_env())
         self.frozen = _frozen(a.frozen) if a.frozen else None
-        self.stop = threading.Event()
+        self.stop = threading.Event()  # the callers stop
+        self.callers_done = threading.Event()  # then the reporter sends what is left
         self.lock = threading.Lock()
         self.clicks: list[Click] = []
         self.codes: Counter[str] = Counter()
@@ -188,7 +189,7 @@ class Simulator:
 
     def reporter(self) -> None:
         while True:
-            stopping = self.stop.wait(FEEDBACK_EVERY_S)
+            stopping = self.callers_done.wait(FEEDBACK_EVERY_S)
             now = time.time()
             with self.lock:
                 due: list[Click] = []
@@ -219,16 +220,18 @@ class Simulator:
     def run(self) -> dict[str, Any]:
         threads = [threading.Thread(target=self.caller, args=(k,), daemon=True)
                    for k in range(self.a.callers)]  # fmt: skip
-        threads.append(threading.Thread(target=self.reporter, daemon=True))
-        for t in threads:
+        reporter = threading.Thread(target=self.reporter, daemon=True)
+        for t in [*threads, reporter]:
             t.start()
         end = time.monotonic() + self.a.duration_s if self.a.duration_s > 0 else float("inf")
         while not self.stop.wait(min(1.0, max(0.0, end - time.monotonic()))):
             if time.monotonic() >= end:
                 break
         self.stop.set()
-        for t in threads:
+        for t in threads:  # a call in flight may still draw clicks
             t.join(self.a.timeout_s + 5)
+        self.callers_done.set()
+        reporter.join(self.a.timeout_s * (1 + len(self.clicks) // MAX_CLICKS_PER_CALL) + 5)
         with self.lock:
             self.close_bucket(time.time())
             summary = {"seconds": round(time.time() - self.world.t0, 1), "calls": dict(self.codes),

@@ -39,6 +39,10 @@ NUM_SPARSE = 26
 IMPRESSION_FIELDS = ("request_id", "example", "event_time_ms", "model", "version", "score",
                      "dense", "sparse", "row")  # fmt: skip
 CLICK_FIELDS = ("request_id", "example", "event_time_ms", "label", "received_ms")
+# A call carrying this metadata (value "off") is scored as any other and not logged: rows scored
+# by a tool rather than served to users (``make score``, ``make evaluate``, a rollout's gate)
+# get no click, so logged they would all train as 0s
+OPT_OUT_HEADER = "x-recsys-feature-log"
 MAX_REQUEST_ID = 128  # characters: a request id is an opaque token, not a payload
 
 

@@ -19,7 +19,7 @@ METRICS_PORT = 9249  # Flink's Prometheus reporter's customary port
 class JoinerConfig:
     """Where the logs come from, where the joined rows go, and the join's time rules."""
 
-    logdir: Path = Path("runs/online/logs")
+    logdir: Path = Path("runs/serve/feature_log")
     """The gateway's feature log: ``impressions/`` and ``clicks/`` below it hold the closed
     ``*.jsonl`` files (recsys_stack/online.py); hidden files (open ones) are never read."""
     out: Path = Path("runs/online/inbox")

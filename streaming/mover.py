@@ -5,7 +5,7 @@ Flink's file sink writes exactly once, but in its own shape: a part file per che
 checkpoint's rows). The continuous loop wants complete files in natural name order, each at least
 one training batch (it rejects smaller ones). So the sink commits into a staging folder, and this
 mover turns committed parts into ``joined-<ms>-<n>.tsv`` files of at least ``min_rows`` rows
-(rows wait in staging for the next file otherwise).
+and both labels (rows wait in staging for the next file otherwise).
 
 **Crash safety** (a ``kill -9`` anywhere, of everything). One batch at a time:
 
@@ -60,7 +60,7 @@ class Mover:
     ) -> None:
         self.staging, self.out, self.manifest = Path(staging), Path(out), Path(manifest)
         self.state_file, self.min_rows = Path(state_file), min_rows
-        self._rows: dict[str, int] = {}  # part name -> its rows (parts never change)
+        self._rows: dict[str, tuple[int, int]] = {}  # part -> rows, positives (never change)
         self.state: dict[str, Any] = {"next": 0, "last_ms": 0, "batch": None}
 
     def recover(self) -> None:
@@ -81,8 +81,11 @@ class Mover:
     def step(self) -> int:
         """Write one file if the committed parts hold ``min_rows`` rows; its rows (0: none)."""
         parts = committed_parts(self.staging)
-        total = sum(self._count(p) for p in parts)
-        if not parts or total < self.min_rows:
+        counts = [self._count(p) for p in parts]
+        total, positives = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        # both labels too: the loop rejects a file of one label (the first W of a run is
+        # clicks only: they wait for the first closed windows' zeros)
+        if not parts or total < self.min_rows or not 0 < positives < total:
             return 0
         n = int(self.state["next"])
         ms = max(int(time.time() * 1000), int(self.state["last_ms"]) + 1)
@@ -111,10 +114,15 @@ class Mover:
         self._finish(batch)
         return rows
 
-    def _count(self, part: Path) -> int:
+    def _count(self, part: Path) -> tuple[int, int]:
+        """A part's rows and positives (a staged line with a click time: label 1)."""
         if part.name not in self._rows:
+            rows = positives = 0
             with open(part, "rb") as f:
-                self._rows[part.name] = sum(1 for _ in f)
+                for line in f:
+                    rows += 1
+                    positives += not line.startswith(b"\t")
+            self._rows[part.name] = (rows, positives)
         return self._rows[part.name]
 
     def _finish(self, batch: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from recsys_stack.online import OPT_OUT_HEADER
 from serving.gateway import feedback, metrics, tenants
 from serving.gateway.admission import Admission
 from serving.gateway.backends import BackendPool
@@ -45,6 +46,11 @@ ENCODE_OFFLOAD_BYTES = 1 << 20
 # workers of a replica whose handler has not counted them (an older .mar): TorchServe starts one
 # per core, and the smallest machine this stack runs on has 2
 ASSUMED_WORKERS = 2
+
+
+def opted_out(metadata: Sequence[tuple[str, Any]] | None) -> bool:
+    """Whether the call asked not to be logged (``x-recsys-feature-log: off``)."""
+    return any(k == OPT_OUT_HEADER and v == "off" for k, v in metadata or ())
 
 
 def call_slots(c: CoalesceConfig, backends: Sequence[Backend]) -> int:
@@ -167,13 +173,13 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         return scores, backend
 
     async def score_arrays(
-        self, arrays: Arrays, version: str, time_remaining: float | None
+        self, arrays: Arrays, version: str, time_remaining: float | None, log: bool = True
     ) -> tuple[np.ndarray, str, str, str]:
         """Validated arrays -> (scores f32[B], backend, version that scored them, request
         id): the one scoring path behind every API (``recsys.v1`` and KServe v2); ``version``
         "" = the plan's choice. Raises :class:`ScoreError` with the call's status code. The
         id is issued here and the examples go to the feature log (when on) from here: every
-        front door logs alike."""
+        front door logs alike; ``log`` False: not this call (it opted out, :data:`OPT_OUT_HEADER`)."""
         version = self.resolve(version)
         examples = int(arrays[0].shape[0])
         metrics.examples(examples)
@@ -203,7 +209,7 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
         metrics.scored(version, scores)
         ms = time.time_ns() // 1_000_000
         request_id = self.ids.issue(examples, ms)
-        if self.feature_log is not None:  # references enqueued: formatted by its thread
+        if log and self.feature_log is not None:  # references enqueued: formatted by its thread
             self.feature_log.scored(request_id, arrays, version, scores, ms)
         return scores, backend, version, request_id
 
@@ -231,8 +237,9 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             metrics.rejected("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
+            log = self.feature_log is not None and not opted_out(context.invocation_metadata())
             scores, backend, version, request_id = await self.score_arrays(
-                arrays, version, context.time_remaining()
+                arrays, version, context.time_remaining(), log
             )
         except ScoreError as e:
             await context.abort(e.code, e.message)

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from recsys_stack.config import ConfigError, parse
 from recsys_stack.criteo_rows import DENSE_NAMES, SPARSE_NAMES, ParsedRows, scan_rows
+from recsys_stack.online import OPT_OUT_HEADER
 from serving.gateway.auth import AuthError, call_metadata, client_token
 from serving.gateway.config import ChannelConfig, ClientConfig
 from serving.stubs import ranker_pb2, ranker_pb2_grpc
@@ -68,7 +69,8 @@ def build_request(
 
 
 class RankerClient:
-    """Blocking client; ``score`` returns float32[B]. ``channel``: TLS and the token file
+    """Blocking client; ``score`` returns float32[B]. ``log`` False: calls the gateway's
+    feature log leaves out (``x-recsys-feature-log: off``). ``channel``: TLS and the token file
     (:mod:`serving.tools.channel`; None = plaintext); ``token``: the bearer token to send (None =
     ``channel``'s, else :func:`serving.gateway.auth.client_token`: ``RECSYS_GATEWAY_TOKEN_FILE``
     or the file ``make serve`` writes, when there is one; "" = none)."""
@@ -79,13 +81,16 @@ class RankerClient:
         timeout: float = 5.0,
         token: str | None = None,
         channel: ChannelConfig | None = None,
+        log: bool = True,
     ) -> None:
         self.channel = open_channel(target, channel)
         self.stub = ranker_pb2_grpc.RankerStub(self.channel)
         self.timeout = timeout
         if token is None:
             token = client_token(channel.token_file if channel is not None else "")
-        self.metadata = call_metadata(token)
+        # log False: the gateway's feature log leaves these calls out (rows scored by a tool
+        # are not traffic: with no click they would all train as 0s)
+        self.metadata = call_metadata(token) + (() if log else ((OPT_OUT_HEADER, "off"),))
 
     def score(self, request: ranker_pb2.ScoreRequest) -> np.ndarray:
         reply = self.stub.Score(request, timeout=self.timeout, metadata=self.metadata)
@@ -151,7 +156,7 @@ def rpc_error(e: grpc.RpcError, target: str) -> str:
 def score_rows(cfg: ClientConfig, rows: Rows, first: int = 0) -> Iterable[str]:
     """``row<TAB>probability[<TAB>label=y]`` per row, ``cfg.batch`` rows per request; ``row``
     counts as the "scoring rows A..B" line does, from 1, the window's ``first`` row before."""
-    client = RankerClient(cfg.target, cfg.timeout_s, channel=cfg)
+    client = RankerClient(cfg.target, cfg.timeout_s, channel=cfg, log=False)
     try:
         for lo in range(0, len(rows.dense), cfg.batch):
             hi = min(lo + cfg.batch, len(rows.dense))

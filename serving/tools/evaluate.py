@@ -180,7 +180,7 @@ def rows_to_score(cfg: EvaluateConfig) -> Window:
 def score_file(cfg: EvaluateConfig, window: Window) -> tuple[np.ndarray, np.ndarray]:
     """Labels int8[N] and the gateway's probabilities float32[N] for the rows of ``window``."""
     logger.info("scoring %s through %s", window.describe(), f"{cfg.host}:{cfg.port}")
-    client = RankerClient(f"{cfg.host}:{cfg.port}", cfg.timeout_s, channel=cfg)
+    client = RankerClient(f"{cfg.host}:{cfg.port}", cfg.timeout_s, channel=cfg, log=False)
     labels: list[np.ndarray] = []
     scores: list[np.ndarray] = []
     bar = None  # drawn from the first good batch: a refused file says its error alone

@@ -55,8 +55,8 @@ def test_click_to_served_ends_at_the_first_promoted_delta_trained_on_the_clicks_
         {"event": "delta", "after": "joined-2", "promoted": True, "acked_at": 60.0},
         {"event": "file", "file": "joined-3"},
     ]
-    manifest = [{"file": "joined-1", "click_times_ms": [10_000, 20_000]},
-                {"file": "joined-2", "click_times_ms": [40_000]},
-                {"file": "joined-3", "click_times_ms": [55_000]}]  # fmt: skip
+    manifest = [{"name": "joined-1", "click_event_ms": [10_000, 20_000]},
+                {"name": "joined-2", "click_event_ms": [40_000]},
+                {"name": "joined-3", "click_event_ms": [55_000]}]  # fmt: skip
     f = rep.freshness(manifest, events)
     assert f == {"clicks": 3, "unserved": 1, "p50_s": 40.0, "p95_s": 50.0, "max_s": 50.0}

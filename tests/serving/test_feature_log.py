@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from recsys_stack.net import free_ports
-from recsys_stack.online import CLICKS, IMPRESSIONS, criteo_row
+from recsys_stack.online import CLICKS, IMPRESSIONS, OPT_OUT_HEADER, criteo_row
 from serving.gateway.config import AuthConfig, MetricsConfig
 from serving.gateway.featurelog import FeatureLogConfig
 from serving.stubs import ranker_pb2, ranker_pb2_grpc
@@ -145,6 +145,20 @@ def test_what_is_logged_is_what_was_scored(loop: Loop) -> None:
             assert r["row"] == _row(dense[k], sparse[k]) is not None
     assert not [p for p in (loop.on.dir / IMPRESSIONS).iterdir() if p.suffix == ".jsonl"
                 and p.name.startswith(".") is False and p.stat().st_size == 0]  # fmt: skip
+
+
+def test_a_call_that_opts_out_is_scored_and_not_logged(loop: Loop) -> None:
+    """``make score``, ``make evaluate`` and a rollout's gate score rows that are not traffic:
+    they send ``x-recsys-feature-log: off`` (RankerClient(log=False)), or their rows would
+    become training rows with no click."""
+    dense, sparse = loop.rows["dense"][:3], loop.rows["sparse"][:3]
+    quiet = loop.on.stub().Score(build_request(dense, sparse), timeout=30,
+                                 metadata=(*AUTH, (OPT_OUT_HEADER, "off")))  # fmt: skip
+    logged = _score(loop.on, dense, sparse)  # after it: once its lines are there, so would be
+    assert len(quiet.scores) == 3 and quiet.request_id  # the quiet call's (one writer, in order)
+    wait_for(lambda: [r for r in records(loop.on.dir, IMPRESSIONS)
+                      if r["request_id"] == logged.request_id], lambda g: len(g) == 3)  # fmt: skip
+    assert not [r for r in records(loop.on.dir, IMPRESSIONS) if r["request_id"] == quiet.request_id]
 
 
 def test_kserve_http_logs_too_and_answers_the_request_id(loop: Loop) -> None:

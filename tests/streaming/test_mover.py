@@ -52,7 +52,9 @@ def test_a_crash_at_any_step_loses_and_doubles_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crash_at: int
 ) -> None:
     m = _mover(tmp_path)
-    _part(tmp_path / "staging", "part-a-0-0.tsv", [f"\t0\tr{i}" for i in range(4)])
+    _part(
+        tmp_path / "staging", "part-a-0-0.tsv", ["1700\t1\tr0", *(f"\t0\tr{i}" for i in (1, 2, 3))]
+    )
     calls, real = [0], os.replace
 
     def replace(a: os.PathLike, b: os.PathLike) -> None:
@@ -66,11 +68,11 @@ def test_a_crash_at_any_step_loses_and_doubles_nothing(
         m.step()
     monkeypatch.setattr(mv.os, "replace", real)
     m = _mover(tmp_path)  # the restart
-    _part(tmp_path / "staging", "part-a-0-1.tsv", [f"\t0\ts{i}" for i in range(3)])
+    _part(tmp_path / "staging", "part-a-0-1.tsv", ["1800\t1\ts0", "\t0\ts1", "\t0\ts2"])
     while m.step():
         pass
     assert sorted(_inbox(tmp_path)) == sorted(
-        [f"0\tr{i}" for i in range(4)] + [f"0\ts{i}" for i in range(3)]
+        ["1\tr0", "0\tr1", "0\tr2", "0\tr3", "1\ts0", "0\ts1", "0\ts2"]
     )
     manifest = [json.loads(x) for x in (tmp_path / "joined.jsonl").read_text().splitlines()]
     assert [e["name"] for e in manifest] == sorted(p.name for p in (tmp_path / "inbox").iterdir())
@@ -79,10 +81,20 @@ def test_a_crash_at_any_step_loses_and_doubles_nothing(
 
 def test_a_half_written_manifest_line_is_cut_and_the_batch_finished_once(tmp_path: Path) -> None:
     m = _mover(tmp_path, min_rows=1)
-    _part(tmp_path / "staging", "part-a-0-0.tsv", ["\t0\tA"])
+    _part(tmp_path / "staging", "part-a-0-0.tsv", ["\t0\tA", "1700\t1\tB"])
     m.step()
     with open(tmp_path / "joined.jsonl", "a") as f:
         f.write('{"name": "joined-')  # a crash mid-append of the next line
     _mover(tmp_path, min_rows=1)
     lines = (tmp_path / "joined.jsonl").read_text().splitlines()
-    assert len(lines) == 1 and json.loads(lines[0])["rows"] == 1
+    assert len(lines) == 1 and json.loads(lines[0])["rows"] == 2
+
+
+def test_rows_of_one_label_wait_for_the_other(tmp_path: Path) -> None:
+    """The first W of a run is clicks only (zeros come when windows close): the loop would
+    reject a file of one label, so those rows wait for the first zeros."""
+    m = _mover(tmp_path, min_rows=2)
+    _part(tmp_path / "staging", "part-a-0-0.tsv", ["1700\t1\tA", "1800\t1\tB", "1900\t1\tC"])
+    assert m.step() == 0 and _inbox(tmp_path) == []
+    _part(tmp_path / "staging", "part-a-0-1.tsv", ["\t0\tD"])
+    assert m.step() == 4 and _inbox(tmp_path) == ["1\tA", "1\tB", "1\tC", "0\tD"]
