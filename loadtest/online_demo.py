@@ -206,19 +206,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--out", type=Path, default=ROOT / "reports" / "online", help="(default %(default)s)"
     )
-    p.add_argument(
-        "--rps", type=float, default=10.0, help="requests a second (default %(default)s)"
-    )
+    p.add_argument("--rps", type=float, default=5.0, help="requests a second (default %(default)s)")
     p.add_argument(
         "--examples", type=int, default=50, help="examples a request (default %(default)s)"
     )
-    p.add_argument("--window", dest="window_s", type=duration, default=60.0,
-                   help="click window W: a click within W of its impression is a 1 (default 60s)")  # fmt: skip
+    p.add_argument("--window", dest="window_s", type=duration, default=30.0,
+                   help="click window W: a click within W of its impression is a 1 (default 30s)")  # fmt: skip
     p.add_argument(
         "--click-delay-s", type=float, default=5.0, help="mean click delay (default %(default)s)"
     )
-    p.add_argument("--min-rows", type=int, default=4096,
-                   help="rows a joined file holds at least: two of the preset's batches (default %(default)s)")  # fmt: skip
+    p.add_argument("--min-rows", type=int, default=2048,
+                   help="rows a joined file holds at least: the preset's batch (default %(default)s)")  # fmt: skip
     p.add_argument(
         "--day-s", type=float, default=120.0, help="a synthetic day (default %(default)s s)"
     )

@@ -34,7 +34,11 @@ class JoinerConfig:
     the loop would read it)."""
     window: float = 300.0
     """Seconds W: a label-1 click with event time in [impression, impression + W] makes the
-    row positive (written at once); none by the time the watermark passes impression + W: 0."""
+    row positive; none by the time the watermark passes impression + W: 0."""
+    early_positives: bool = False
+    """Write a clicked row at its click instead of at its window's end: about W fresher, but a
+    file then mixes the clicks of now with the non-clicks of a W ago (streaming/join.py: the
+    model learns the join's timing; keep it off unless W is short against the traffic's drift)."""
     out_of_orderness: float = 5.0
     """Seconds the watermark trails the newest event time of each log (bounded disorder)."""
     idle_timeout: float = 10.0

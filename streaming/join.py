@@ -6,7 +6,8 @@ left row when the watermark passes its window) but writes a row per matching cli
 click doubles a row) and drops what it does not join without a trace. This function keeps, per
 key, the impression (its row, its event time, whether its row was written) and decides:
 
-- a click in [impression, impression + W] while the row is open: label 1, written at once;
+- a click in [impression, impression + W] while the row is open: label 1, written when the
+  window ends (``early_positives``: at once);
 - the watermark passes impression + W with no such click: label 0;
 - a click after impression + W (or before it): *out of window*, counted; the row stays 0;
 - a click in the window after the row was written as 0: *late*, counted, dropped;
@@ -19,6 +20,15 @@ State stays bounded: a key is cleared ``retention`` after its window's end (an e
 timer), and, when no watermark moves (all traffic stopped: the sources' idle timeout lets a quiet
 log stop holding the watermark back, but a stopped gateway moves none), a wall-clock timer
 closes a window ``wall_close`` after its impression arrived and clears the key as long after.
+
+**When a positive is written.** By default every row is written when its window ends, clicked or
+not: a file then holds the rows of one stretch of impressions with their final labels. Written at
+once (``early_positives``), a click's row reaches the loop about W sooner, but a file mixes the
+clicks of the last seconds with the non-clicks of impressions a W older: the model learns the
+label rate of the join's timing, and in a drifting world that the ids of now are the clicked
+ones (the online demo with W = 60 s and a synthetic day of 2 minutes: progressive AUC 0.90 on
+the joined files, above the planted model's 0.81, while the served model fell behind the frozen
+one on real traffic). A duplicate click is counted either way.
 
 Each output line is ``<click event ms>\\t<label>\\t<row>`` (the first field empty for label 0):
 the mover (:mod:`streaming.mover`) strips it into the manifest and writes ``<label>\\t<row>``.
@@ -43,10 +53,13 @@ class Join(KeyedProcessFunction):
     """Input rows ``(kind, request_id, example, event_time_ms, row)``, kind ``i`` (impression)
     or ``c`` (a label-1 click), keyed by (request_id, example); output: staged lines (above)."""
 
-    def __init__(self, window_ms: int, retention_ms: int, wall_close_ms: int) -> None:
+    def __init__(
+        self, window_ms: int, retention_ms: int, wall_close_ms: int, early_positives: bool = False
+    ) -> None:
         self.window_ms = window_ms
         self.retention_ms = retention_ms
         self.wall_close_ms = wall_close_ms
+        self.early = early_positives
 
     def open(self, runtime_context: RuntimeContext) -> None:
         # one pickled dict per key: {"row", "et", "status", "wall", "closed_wall", "pending",
@@ -82,8 +95,11 @@ class Join(KeyedProcessFunction):
         hits = [c for c in pending if self._inside(s, c)]
         self._count("out_of_window_clicks", len(pending) - len(hits))
         if hits:
-            yield self._write(s, min(hits))
             self._count("duplicate_clicks", len(hits) - 1)
+            if self.early:
+                yield self._write(s, min(hits))
+            else:
+                s["click"] = min(hits)  # written when the window ends
         timers.register_event_time_timer(et + self.window_ms)
         timers.register_event_time_timer(et + self.window_ms + self.retention_ms)
         timers.register_processing_time_timer(now + self.wall_close_ms)
@@ -103,8 +119,15 @@ class Join(KeyedProcessFunction):
             return
         if not self._inside(s, et):
             self._count("out_of_window_clicks")
+        elif s["status"] == OPEN and "click" in s:
+            self._count("duplicate_clicks")
+            s["click"] = min(s["click"], et)
+            self.state.update(s)
         elif s["status"] == OPEN:
-            yield self._write(s, et)
+            if self.early:
+                yield self._write(s, et)
+            else:
+                s["click"] = et  # written when the window ends
             self.state.update(s)
         elif s["status"] == POSITIVE:
             self._count("duplicate_clicks")
@@ -143,7 +166,7 @@ class Join(KeyedProcessFunction):
             if event
             else timestamp >= s["wall"] + self.wall_close_ms
         ):
-            yield self._write(s, None)
+            yield self._write(s, s.get("click"))
             self.state.update(s)
             if not event:  # no watermark moves: clear the key as long after, by the clock
                 ctx.timer_service().register_processing_time_timer(timestamp + self.wall_close_ms)

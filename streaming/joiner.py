@@ -148,7 +148,8 @@ def build(cfg: JoinerConfig, restore: Path | None):  # -> StreamExecutionEnviron
     t_env.execute_sql(source_ddl(CLICKS, cfg.logdir / CLICKS, "label INT", cfg))
     events = t_env.to_data_stream(t_env.sql_query(UNION))
     ms = 1000
-    join = Join(int(cfg.window * ms), int(cfg.retention_s * ms), int(cfg.wall_close_s * ms))
+    join = Join(int(cfg.window * ms), int(cfg.retention_s * ms), int(cfg.wall_close_s * ms),
+                cfg.early_positives)  # fmt: skip
     joined = (
         events.key_by(lambda r: f"{r[1]}\x1f{r[2]}", key_type=Types.STRING())
         .process(join, output_type=Types.STRING())
