@@ -18,7 +18,7 @@
 At the end (SIGINT / SIGTERM, or ``--duration``): the simulator stops and reports its pending
 clicks, the joiner drains (``--window`` + its checkpoint), the loop takes what is left, every
 part stops, and :mod:`loadtest.online_report` computes the figures (accounting, click-to-served
-freshness, progressive AUC, failed calls) into ``--out``/report.json.
+freshness, progressive AUC, failed calls) into ``--out``/report.json and online.png.
 """
 
 from __future__ import annotations
@@ -251,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "report.json").write_text(json.dumps(result, indent=1))
     print(rep.table(result))
+    rep.plot(result, a.out / "online.png")
     print(f"demo-online: figures in {a.out / 'report.json'}", file=sys.stderr)
     acc = result["accounting"]
     failed = sum(n for c, n in result["sim"].get("calls", {}).items() if c != "OK")

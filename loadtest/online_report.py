@@ -154,3 +154,33 @@ def table(r: dict[str, Any]) -> str:
                      f"frozen {b.get('auc_frozen', float('nan')):.4f} planted "
                      f"{b['auc_planted']:.4f} ({b.get('served_vs_frozen', '')})")  # fmt: skip
     return "\n".join(lines)
+
+
+def plot(r: dict[str, Any], path: Path) -> Path:
+    """The progressive AUC of the served, frozen and planted models over the run, and the
+    click-to-served figures in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    buckets = [b for b in r["sim"].get("buckets", []) if "auc_served" in b]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    t = [b["t_s"] / 60 for b in buckets]
+    for key, label, style in (("auc_planted", "planted model (the best any model can do)", ":"),
+                              ("auc_served", "served (trained on the joined clicks)", "-"),
+                              ("auc_frozen", "frozen at the start", "--")):  # fmt: skip
+        ax.plot(t, [b.get(key) for b in buckets], style, marker="o", ms=3, label=label)
+    for b in buckets[1:]:
+        if b["day"] != buckets[buckets.index(b) - 1]["day"]:
+            ax.axvline(b["t_s"] / 60, color="grey", lw=0.5)
+    f = r["freshness"]
+    ax.set(xlabel="minutes (grey: the world drifts a synthetic day)", ylabel="AUC on the traffic",
+           title=f"closed loop: click-to-served p50 {f.get('p50_s')} s, p95 {f.get('p95_s')} s; "
+                 f"{r['accounting']['lost']} lost, {r['accounting']['doubled']} doubled")  # fmt: skip
+    ax.legend(loc="lower left", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

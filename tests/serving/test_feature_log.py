@@ -277,3 +277,38 @@ def test_a_full_queue_drops_without_failing_calls_and_sigterm_writes_the_rest(
     got = records(g.dir, IMPRESSIONS)
     assert sorted({r["request_id"] for r in got}) == sorted(kept) and len(got) == 30
     assert not [p for p in (g.dir / IMPRESSIONS).iterdir() if p.name.startswith(".")]
+
+
+def test_the_online_simulator_scores_clicks_and_reports_through_the_gateway(
+    loop: Loop, tmp_path: Path
+) -> None:
+    """``python -m loadtest.online_sim`` (the online demo's users) against a logging gateway:
+    every call answered, every click it drew reported with Feedback and written to the log,
+    each on an impression the log holds."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, _env
+
+    env = {**_env(), "RECSYS_GATEWAY_TOKEN_FILE": str(loop.on.dir.parent.parent / "tokens")}
+    env.pop("RECSYS_SERVE_DIR", None)
+    t0 = int(time.time() * 1000)  # the module's tests run one at a time: later clicks are its
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest.online_sim", "--target", loop.on.target, "--rps", "8",
+         "--examples", "20", "--callers", "2", "--duration", "6s", "--click-delay-s", "0.5",
+         "--day-s", "0", "--out", str(tmp_path / "sim")],
+        cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    s = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    assert set(s["calls"]) == {"OK"} and s["impressions"] == 20 * s["calls"]["OK"] > 0
+    assert s["clicks_reported"] == s["clicks_drawn"] > 0 and s["clicks_pending"] == 0
+
+    def clicks_on_its_impressions() -> list[dict[str, Any]]:
+        seen = {(r["request_id"], r["example"]) for r in records(loop.on.dir, IMPRESSIONS)}
+        return [c for c in records(loop.on.dir, CLICKS)
+                if c["received_ms"] >= t0 and (c["request_id"], c["example"]) in seen]  # fmt: skip
+
+    mine = wait_for(clicks_on_its_impressions, lambda got: len(got) >= s["clicks_reported"])
+    assert len(mine) == s["clicks_reported"] and all(c["label"] == 1 for c in mine)
