@@ -14,7 +14,7 @@ from typing import Literal
 from recsys_stack.config import env_field
 from recsys_stack.logpump import LogConfig
 from serving.gateway.discovery import Discovery
-from serving.gateway.featurelog import FeatureLogConfig
+from serving.gateway.featurelog_config import FeatureLogConfig
 from serving.gateway.validate import Limits
 
 GATEWAY_PORT_ENV = "RECSYS_GATEWAY_PORT"
