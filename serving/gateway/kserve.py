@@ -304,9 +304,12 @@ class Model:
             *decode(), self.schema, self.ranker.cfg.limits, request_bytes, field="dense (examples)"
         )
 
-    async def score(self, arrays: Arrays, version: str, time_remaining: float | None) -> Scored:
-        """The one scoring path (and version routing) of every API."""
-        got = await self.ranker.score_arrays(arrays, version, time_remaining)
+    async def score(
+        self, arrays: Arrays, version: str, time_remaining: float | None, log: bool = True
+    ) -> Scored:
+        """The one scoring path (and version routing) of every API; ``log`` False: the call
+        opted out of the feature log (``Ranker.logs``)."""
+        got = await self.ranker.score_arrays(arrays, version, time_remaining, log)
         scores, backend, version, request_id = got
         pool = self.ranker.pool
         # what scored it, in the protocol's own place for it (ModelMetadata has no parameters);
@@ -369,7 +372,10 @@ class KServe(kserve_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc
             metrics.rejected("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            scored = await model.score(arrays, request.model_version, context.time_remaining())
+            scored = await model.score(
+                arrays, request.model_version, context.time_remaining(),
+                model.ranker.logs(context.invocation_metadata()),
+            )  # fmt: skip
         except ScoreError as e:
             await context.abort(e.code, e.message)
         context.set_trailing_metadata(scored.metadata)

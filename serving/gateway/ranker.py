@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -48,9 +48,10 @@ ENCODE_OFFLOAD_BYTES = 1 << 20
 ASSUMED_WORKERS = 2
 
 
-def opted_out(metadata: Sequence[tuple[str, Any]] | None) -> bool:
-    """Whether the call asked not to be logged (``x-recsys-feature-log: off``)."""
-    return any(k == OPT_OUT_HEADER and v == "off" for k, v in metadata or ())
+def opted_out(metadata: Iterable[tuple[str, Any]] | None) -> bool:
+    """Whether the call asked not to be logged (``x-recsys-feature-log: off``): gRPC metadata
+    or HTTP headers (their names in any case)."""
+    return any(k.lower() == OPT_OUT_HEADER and v == "off" for k, v in metadata or ())
 
 
 def call_slots(c: CoalesceConfig, backends: Sequence[Backend]) -> int:
@@ -172,6 +173,11 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             raise ScoreCountError(f"{scores.size} scores for {arrays[0].shape[0]} examples")
         return scores, backend
 
+    def logs(self, metadata: Iterable[tuple[str, Any]] | None) -> bool:
+        """Whether a call with this metadata (or these HTTP headers) goes to the feature log:
+        the log is on and the call did not opt out. Every door asks this before scoring."""
+        return self.feature_log is not None and not opted_out(metadata)
+
     async def score_arrays(
         self, arrays: Arrays, version: str, time_remaining: float | None, log: bool = True
     ) -> tuple[np.ndarray, str, str, str]:
@@ -237,9 +243,8 @@ class Ranker(ranker_pb2_grpc.RankerServicer):  # type: ignore[misc]
             metrics.rejected("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            log = self.feature_log is not None and not opted_out(context.invocation_metadata())
             scores, backend, version, request_id = await self.score_arrays(
-                arrays, version, context.time_remaining(), log
+                arrays, version, context.time_remaining(), self.logs(context.invocation_metadata())
             )
         except ScoreError as e:
             await context.abort(e.code, e.message)

@@ -289,7 +289,8 @@ class Rest:
             except InvalidRequest as e:
                 metrics.rejected("invalid")
                 raise HttpError(400, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            scored = await model.score(arrays, version, parsed.time_remaining)
+            log = model.ranker.logs(request.headers.items())
+            scored = await model.score(arrays, version, parsed.time_remaining, log)
         finally:
             admission.leave(place)
             tenants.leave(who)

@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import numpy as np
 
     from serving.gateway.backends import BackendPool
@@ -31,6 +33,8 @@ class Scorer(Protocol):
 
     def resolve(self, version: str) -> str: ...
 
+    def logs(self, metadata: Iterable[tuple[str, Any]] | None) -> bool: ...
+
     async def score_arrays(
-        self, arrays: Arrays, version: str, time_remaining: float | None
+        self, arrays: Arrays, version: str, time_remaining: float | None, log: bool = True
     ) -> tuple[np.ndarray, str, str, str]: ...

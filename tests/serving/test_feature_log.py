@@ -51,8 +51,10 @@ class Gateway:
     def stub(self) -> Any:
         return ranker_pb2_grpc.RankerStub(grpc.insecure_channel(self.target))
 
-    def post(self, path: str, doc: Any, token: str | None = TOKEN) -> tuple[int, Any]:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+    def post(
+        self, path: str, doc: Any, token: str | None = TOKEN, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
+        headers = {**({"Authorization": f"Bearer {token}"} if token else {}), **(headers or {})}
         req = urllib.request.Request(f"http://127.0.0.1:{self.http}{path}",
                                      data=json.dumps(doc).encode(), headers=headers)  # fmt: skip
         try:
@@ -177,8 +179,17 @@ def test_kserve_http_logs_too_and_answers_the_request_id(loop: Loop) -> None:
     assert doc["id"] == rid  # no id of the client's: ours
     status, doc = loop.on.post(f"/v2/models/{MODEL}/infer", {"id": "mine", "inputs": inputs})
     assert doc["id"] == "mine" and doc["parameters"]["request_id"].count(".") == 3
+    # the opt-out holds at this door too (an HTTP header, its name in any case)
+    status, doc = loop.on.post(f"/v2/models/{MODEL}/infer", {"inputs": inputs},
+                               headers={"X-Recsys-Feature-Log": "off"})  # fmt: skip
+    assert status == 200, doc
+    quiet = doc["parameters"]["request_id"]
+    last = loop.on.post(f"/v2/models/{MODEL}/infer", {"inputs": inputs})[1]["parameters"]
     got = wait_for(lambda: [r for r in records(loop.on.dir, IMPRESSIONS)
-                            if r["request_id"] == rid], lambda g: len(g) == 3)  # fmt: skip
+                            if r["request_id"] in (rid, last["request_id"])],
+                   lambda g: len(g) == 6)  # fmt: skip
+    assert not [r for r in records(loop.on.dir, IMPRESSIONS) if r["request_id"] == quiet]
+    got = [r for r in got if r["request_id"] == rid]
     assert [r["row"] for r in sorted(got, key=lambda r: r["example"])] == [
         _row(loop.rows["dense"][k], loop.rows["sparse"][k]) for k in range(3)]  # fmt: skip
 
