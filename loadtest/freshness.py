@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,17 +73,45 @@ def table_sizes(preset: str) -> list[int]:
     return [int(r) for r in load_config(ROOT / f"training/configs/{preset}.toml").model.rows()]
 
 
+def loop_args(preset: str, work: Path, nproc: int, extra: Sequence[str]) -> list[str]:
+    """torchrun's arguments for the continuous loop over ``work/inbox`` (``make continuous``
+    with deltas, a publish every file), its run, caches, store and stack state under ``work``."""
+    return ["--standalone", f"--nproc_per_node={nproc}", "-m", "training.continuous", "--config",
+            f"training/configs/{preset}.toml", "--run-dir", str(work / "run"), "--data-dir",
+            str(work / "inbox"), "--no-progress", "continuous.export_every=1",
+            "continuous.deltas=true", "train.keep_last=3", f'data.cache_dir="{work / "cache"}"',
+            f'continuous.model_store="{work / "store"}"', f'continuous.serve_dir="{work / "serve"}"',
+            'continuous.export_args=["--parity-rows", "2000"]', *extra]  # fmt: skip
+
+
 def loop(
     preset: str, work: Path, extra: list[str], log: Path, env: dict[str, str], nproc: int
 ) -> None:
-    """The continuous loop over ``work/inbox`` until no file is left (``make continuous``)."""
-    py(["--standalone", f"--nproc_per_node={nproc}", "-m", "training.continuous", "--config",
-        f"training/configs/{preset}.toml", "--run-dir", str(work / "run"), "--data-dir",
-        str(work / "inbox"), "--no-progress", "continuous.export_every=1",
-        "continuous.deltas=true", "train.keep_last=3", f'data.cache_dir="{work / "cache"}"',
-        f'continuous.model_store="{work / "store"}"', f'continuous.serve_dir="{work / "serve"}"',
-        'continuous.export_args=["--parity-rows", "2000"]', *extra], log,
+    """The continuous loop over ``work/inbox`` until no file is left (:func:`loop_args`)."""
+    py(loop_args(preset, work, nproc, extra), log,
        {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env}, tool="torchrun")  # fmt: skip
+
+
+def serve(
+    schema: Path,
+    replicas: int,
+    workers: int,
+    log: Path,
+    env: dict[str, str],
+    extra: Sequence[str] = (),
+) -> int:
+    """``make serve``'s supervisor on free ports (state and store in ``env``): ``replicas`` x
+    ``workers`` behind the gateway; the gateway's port."""
+    from recsys_stack.net import free_ports
+
+    p = free_ports(7)
+    names = ("inference", "management", "metrics", "grpc-inference", "grpc-management")
+    py(["serving.tools.supervisor", "start", "--gateway.schema", str(schema), "--replicas",
+        str(replicas), "--torchserve.workers", str(workers), "--gateway.port", str(p[5]),
+        "--gateway.metrics.port", str(p[6]), "--timeout-s=600", *extra,
+        *(x for k, v in zip(names, p[:5], strict=True) for x in (f"--torchserve.{k}-port", str(v)))],
+       log, env)  # fmt: skip
+    return p[5]
 
 
 def move_days(days: Path, inbox: Path, names: list[str], flip: str = "") -> None:
@@ -116,8 +145,6 @@ def start_locust(
 
 
 def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
-    from recsys_stack.net import free_ports
-
     work, out = a.work / preset, a.out / preset
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -131,13 +158,7 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
     loop(preset, work, ["continuous.rollout=false"], log, {}, a.nproc)
     schema = work / "run" / "export" / "schema.json"
     env = {"RECSYS_SERVE_DIR": str(work / "serve"), "RECSYS_MODEL_STORE": str(work / "store")}
-    p = free_ports(7)
-    names = ("inference", "management", "metrics", "grpc-inference", "grpc-management")
-    py(["serving.tools.supervisor", "start", "--gateway.schema", str(schema), "--replicas",
-        str(a.replicas), "--torchserve.workers", str(a.workers), "--gateway.port", str(p[5]),
-        "--gateway.metrics.port", str(p[6]), "--timeout-s=600",
-        *(x for k, v in zip(names, p[:5], strict=True) for x in (f"--torchserve.{k}-port", str(v)))],
-       log, env)  # fmt: skip
+    port = serve(schema, a.replicas, a.workers, log, env)
     result: dict[str, Any] = {"preset": preset, "rows_per_pass": rows, "tables_rows": sum(sizes),
                               "replicas": a.replicas, "workers": a.workers, "nproc": a.nproc,
                               "users": a.users}  # fmt: skip
@@ -146,7 +167,7 @@ def one(preset: str, a: argparse.Namespace) -> dict[str, Any]:
         (out / "requests").mkdir(parents=True, exist_ok=True)
         records = Records(out / "requests")
         if a.users:  # 0: no load (the loop's figure on a machine it has to itself)
-            locust = start_locust(f"127.0.0.1:{p[5]}", work / "days" / "day_0.tsv", a.users, out,
+            locust = start_locust(f"127.0.0.1:{port}", work / "days" / "day_0.tsv", a.users, out,
                                   env)  # fmt: skip
             end = time.monotonic() + 120
             while not records.poll() and time.monotonic() < end:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import online_report as rep
-from loadtest.freshness import move_days, py
+from loadtest.freshness import loop, loop_args, move_days, py, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 FLINK_PY = ROOT / ".venv-flink" / "bin" / "python"
@@ -53,20 +53,10 @@ def first_model(a: argparse.Namespace, work: Path, log: Path) -> Path:
         str(a.seed), "--vocab", *map(str, a.vocab), "--out", str(work / "days"), "--no-progress"],
        log)  # fmt: skip
     move_days(work / "days", work / "inbox", ["day_0", "day_1"])
-    loop_cmd = loop_args(a, work, ["continuous.rollout=false"])
-    py(loop_cmd, log, {"OMP_NUM_THREADS": "1"}, tool="torchrun")
+    loop(PRESET, work, ["continuous.rollout=false"], log, {}, a.nproc)
     frozen = work / "frozen"
     shutil.copytree(work / "run" / "export", frozen)
     return frozen
-
-
-def loop_args(a: argparse.Namespace, work: Path, extra: Sequence[str]) -> list[str]:
-    return ["--standalone", f"--nproc_per_node={a.nproc}", "-m", "training.continuous",
-            "--config", f"training/configs/{PRESET}.toml", "--run-dir", str(work / "run"),
-            "--data-dir", str(work / "inbox"), "--no-progress", "continuous.export_every=1",
-            "continuous.deltas=true", "train.keep_last=3", f'data.cache_dir="{work / "cache"}"',
-            f'continuous.model_store="{work / "store"}"', f'continuous.serve_dir="{work / "serve"}"',
-            'continuous.export_args=["--parity-rows", "2000"]', *extra]  # fmt: skip
 
 
 def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -119,23 +109,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     frozen = first_model(a, work, log)
     env = {"RECSYS_SERVE_DIR": str(work / "serve"), "RECSYS_MODEL_STORE": str(work / "store")}
     logs = work / "featurelog"
-    p = free_ports(8)
-    names = ("inference", "management", "metrics", "grpc-inference", "grpc-management")
     print("demo-online: serving it with the feature log on ...", file=sys.stderr)
-    py(["serving.tools.supervisor", "start", "--gateway.schema", str(work / "run/export/schema.json"),
-        "--replicas", str(a.replicas), "--torchserve.workers", str(a.workers), "--gateway.port",
-        str(p[5]), "--gateway.metrics.port", str(p[6]), "--timeout-s=600",
-        "--gateway.feature-log.enabled", f"--gateway.feature-log.dir={logs}",
-        *(x for k, v in zip(names, p[:5], strict=True) for x in (f"--torchserve.{k}-port", str(v)))],
-       log, env)  # fmt: skip
-    target = f"127.0.0.1:{p[5]}"
-    joiner = loop = sim = None
+    port = serve(work / "run/export/schema.json", a.replicas, a.workers, log, env,
+                 ["--gateway.feature-log.enabled", f"--gateway.feature-log.dir={logs}"])  # fmt: skip
+    target = f"127.0.0.1:{port}"
+    joiner = trainer = sim = None
     t_start = time.time()
     try:
         joiner = spawn([str(FLINK_PY), "-m", "streaming.joiner", "--logdir", str(logs), "--out",
                         str(work / "inbox"), "--manifest", str(work / "joined.jsonl"),
                         "--state", str(work / "joiner"), "--window", f"{a.window_s:g}",
-                        "--min-rows", str(a.min_rows), "--metrics-port", str(p[7])],
+                        "--min-rows", str(a.min_rows), "--metrics-port", str(free_ports(1)[0])],
                        work / "joiner.log",
                        {"PYTHONPATH": str(ROOT)})  # fmt: skip
         # a joined file's label rate follows the join's timing (clicks at once, zeros when
@@ -146,7 +130,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         # thousand rows refuses within noise, and the loop tries it again at every file
         follow = ["--follow", "continuous.quarantine_label_odds=0", "continuous.compact_every=1000"]
         torchrun = str(Path(sys.executable).parent / "torchrun")
-        loop = spawn([torchrun, *loop_args(a, work, follow)], work / "loop.log",
+        trainer = spawn([torchrun, *loop_args(PRESET, work, a.nproc, follow)], work / "loop.log",
                      {**env, "OMP_NUM_THREADS": "1"})  # fmt: skip
         sim = spawn([sys.executable, "-m", "loadtest.online_sim", "--target", target, "--rps",
                      str(a.rps), "--examples", str(a.examples), "--seed", str(a.seed), "--vocab",
@@ -167,7 +151,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         t_joined = time.time() - a.drain_s  # windows that ended before it are all written
     finally:
         stop(joiner)
-        stop(loop)
+        stop(trainer)
         py(["serving.tools.supervisor", "stop"], log, env)  # the gateway flushes its logs
     want, counts = rep.expected_rows(logs, a.window_s, int(t_joined * 1000))
     files = joined_files(work / "inbox")
