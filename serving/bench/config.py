@@ -9,10 +9,13 @@ from typing import Literal
 from serving.gateway.config import GatewayConfig
 from serving.torchserve.config import MODEL_STORE, TorchServeConfig
 
-Method = Literal[
-    "in-process", "plain-torchserve", "torchserve-grpc", "relay", "gateway", "gateway+log"
-]
-METHODS: list[Method] = ["in-process", "plain-torchserve", "torchserve-grpc", "relay", "gateway"]
+# fmt: off
+Method = Literal["in-process", "plain-torchserve", "torchserve-grpc", "relay", "gateway",
+                 "gateway-lite", "gateway+log"]
+METHODS: list[Method] = ["in-process", "plain-torchserve", "torchserve-grpc", "relay", "gateway",
+                         "gateway-lite"]
+# fmt: on
+LITE: Method = "gateway-lite"  # the gateway in front of serving/lite workers, not TorchServe
 LOGGED: Method = "gateway+log"  # the gateway with its feature log on (--feature-log)
 BASELINE: Method = "plain-torchserve"
 FLOOR: Method = "in-process"

@@ -21,7 +21,7 @@ from recsys_stack.config import ConfigError, parse, to_dict
 from recsys_stack.progress import progress
 from serving.bench import methods as m
 from serving.bench import servers
-from serving.bench.config import FLOOR, LOGGED, METHODS, BenchConfig
+from serving.bench.config import FLOOR, LITE, LOGGED, METHODS, BenchConfig
 from serving.bench.measure import Cell, run_cell
 from serving.bench.model import Model, build_model, payload
 from serving.bench.report import results, settings_text, table
@@ -65,9 +65,9 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
     up = servers.start_all(
         model, ts, gateway_cfg, work, cfg.startup_timeout_s, stack,
         plain_threads=cfg.plain_threads if "plain-torchserve" in chosen else None,
-        want_stack=bool({"torchserve-grpc", "relay", "gateway", LOGGED} & set(chosen)),
+        want_stack=bool({"torchserve-grpc", "relay", "gateway", LOGGED, LITE} & set(chosen)),
         want_gateway="gateway" in chosen, want_relay="relay" in chosen,
-        want_logged=LOGGED in chosen,
+        want_logged=LOGGED in chosen, want_lite=LITE in chosen,
     )  # fmt: skip
     settings = describe(cfg, model, up, chosen)
     connects = _connects(chosen, model, up, settings)
@@ -135,6 +135,8 @@ def _servers_of(procs: dict[str, Any]) -> dict[str, dict[str, Any]]:
             out["gateway"] = {"gateway": procs["gateway"], "torchserve": procs["stack"]}
         if LOGGED in procs:
             out[LOGGED] = {"gateway": procs[LOGGED], "torchserve": procs["stack"]}
+    if LITE in procs:
+        out[LITE] = {"gateway": procs[LITE], "lite": procs["lite"]}
     return out
 
 
@@ -157,7 +159,7 @@ def _connects(
         )
     if "relay" in chosen:
         out["relay"] = m.torchserve_grpc(up["relay"], inference_key(up["stack"].key_file))
-    for x in ("gateway", LOGGED):
+    for x in ("gateway", LOGGED, LITE):
         if x in chosen:
             out[x] = m.gateway(f"127.0.0.1:{up[x].port}")
     return out
@@ -192,6 +194,11 @@ def describe(
                   if k not in ("schema", "host", "port", "backend", "key_file")}  # fmt: skip
             per[x] = {"api": "gRPC Ranker/Score", **servers.model_settings(up["stack"]),
                       "gateway": gw}  # fmt: skip
+    if LITE in up:
+        gw = {k: v for k, v in to_dict(up[LITE]).items()
+              if k not in ("schema", "host", "port", "backend", "key_file")}  # fmt: skip
+        per[LITE] = {"api": "gRPC Ranker/Score -> serving.lite workers",
+                     "workers": cfg.torchserve.worker_count(), "gateway": gw}  # fmt: skip
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "cores": os.cpu_count(),

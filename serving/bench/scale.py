@@ -54,7 +54,7 @@ from serving.bench.memgroup import MemoryGroup
 from serving.bench.model import KAGGLE_ROWS, ROOT
 from serving.bench.scale_load import Load, make_load, zipf_load
 from serving.bench.scale_report import closing, confined_table, plot, table, variants_table
-from serving.bench.servers import start_gateway, wait_all_workers
+from serving.bench.servers import start_gateway, torchserve_backend, wait_all_workers
 from serving.gateway.config import GatewayConfig
 from serving.tools.client import gateway_status
 from serving.torchserve import process
@@ -255,7 +255,9 @@ def serve(
         wait_all_workers(ts, proc, 900)
         out["ready_s"] = time.perf_counter() - t0
         gcfg = GatewayConfig(schema=Path(built["export"]) / "schema.json")
-        gcfg, _ = start_gateway(gcfg, ts, gcfg.schema, work / "gateway.log", stack)
+        gcfg, _ = start_gateway(
+            gcfg, torchserve_backend(ts), gcfg.schema, work / "gateway.log", stack
+        )
         target = f"127.0.0.1:{gcfg.port}"
         while gateway_status(target) != "SERVING":
             time.sleep(0.2)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -27,7 +28,7 @@ from typing import Any
 import psutil
 
 from recsys_stack.net import free_ports
-from serving.bench.config import LOGGED
+from serving.bench.config import LITE, LOGGED
 from serving.gateway.config import GatewayConfig
 from serving.tools.supervisor import launch_gateway, wait_serving
 from serving.torchserve import process
@@ -108,13 +109,20 @@ def model_settings(cfg: TorchServeConfig) -> dict[str, Any]:
     }
 
 
+def torchserve_backend(ts: TorchServeConfig) -> tuple[str, str]:
+    """The gateway's (backend, key_file) for the TorchServe ``ts``."""
+    return ts.grpc_inference_target, str(ts.key_file.resolve())
+
+
 def start_gateway(
-    gcfg: GatewayConfig, ts: TorchServeConfig, schema: Path, log: Path, stack: contextlib.ExitStack
-) -> tuple[GatewayConfig, subprocess.Popen[bytes]]:
-    """The gateway in front of ``ts`` on a free port; stopped (SIGTERM, then SIGKILL) on exit."""
+    gcfg: GatewayConfig, backend: tuple[str, str], schema: Path, log: Path,
+    stack: contextlib.ExitStack,
+) -> tuple[GatewayConfig, subprocess.Popen[bytes]]:  # fmt: skip
+    """The gateway in front of ``backend`` = (address(es), key file(s)) on a free port; stopped
+    (SIGTERM, then SIGKILL) on exit."""
     gcfg = dataclasses.replace(
         gcfg, schema=schema.resolve(), host="127.0.0.1", port=free_ports(1)[0],
-        backend=ts.grpc_inference_target, key_file=str(ts.key_file.resolve()),
+        backend=backend[0], key_file=backend[1],
     )  # fmt: skip
     proc = launch_gateway(gcfg, log)
     stack.callback(_stop_gateway, proc)
@@ -146,10 +154,28 @@ def start_relay(
     return f"127.0.0.1:{port}", proc
 
 
+def start_lite(
+    mar: Path, workers: int, work: Path, timeout: float, stack: contextlib.ExitStack
+) -> tuple[tuple[str, str], subprocess.Popen[bytes]]:
+    """``python -m serving.lite`` serving ``mar`` with ``workers`` workers on free ports;
+    ((backend, key file template) for the gateway, the launcher, whose children they are)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving.lite", str(mar), "--workers", str(workers),
+         "--port", "0", "--dir", str(work / "lite"), "--timeout", str(timeout)],
+        stdout=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    stack.callback(_stop_gateway, proc)  # SIGTERM (it stops its workers), then the group
+    line = proc.stdout.readline() if proc.stdout is not None else b""
+    if not line.startswith(b"{"):
+        raise RuntimeError(f"the lite workers did not start (exit code {proc.poll()})")
+    said = json.loads(line)
+    return (said["backend"], said["key_file"]), proc
+
+
 def start_all(
     model: Any, ts: TorchServeConfig, gcfg: GatewayConfig, work: Path, timeout: float,
     stack: contextlib.ExitStack, plain_threads: int | None, want_stack: bool, want_gateway: bool,
-    want_relay: bool = False, want_logged: bool = False,
+    want_relay: bool = False, want_logged: bool = False, want_lite: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Start what the chosen methods need (both TorchServes at once; the peer unless
     ``plain_threads`` is None); their configs."""
@@ -177,8 +203,15 @@ def start_all(
         flog = dataclasses.replace(gcfg.feature_log, enabled=True, dir=str(work / "feature_log"),
                                    sample=1.0, key_file="")  # fmt: skip
         gateways.append((LOGGED, dataclasses.replace(gcfg, feature_log=flog, http_port=0)))
+    backends = {key: torchserve_backend(out["stack"]) for key, _ in gateways}
+    if want_lite:  # as many lite workers as the stack's TorchServe runs
+        lite_mar = ts.model_store / ts.mar
+        backends[LITE], procs["lite"] = start_lite(
+            lite_mar, ts.worker_count(), work, timeout, stack
+        )
+        gateways.append((LITE, dataclasses.replace(gcfg, http_port=0)))
     for key, g in gateways:
-        g, gw = start_gateway(g, out["stack"], model.export / "schema.json",
+        g, gw = start_gateway(g, backends[key], model.export / "schema.json",
                               work / f"{key}.log", stack)  # fmt: skip
         wait_serving(f"127.0.0.1:{g.port}", gw, timeout)
         out[key] = g

@@ -73,7 +73,11 @@ def replica_cpus() -> int:
 def replica_workers() -> int:
     """TorchServe workers on this replica, of every model and version: the processes sharing
     this worker's parent (the frontend) that run the worker script; 0 when /proc says nothing.
-    While a rollout has two versions registered there are twice the workers of one."""
+    While a rollout has two versions registered there are twice the workers of one.
+    ``RECSYS_REPLICA_WORKERS``, when set, is the answer instead (serving/lite: each worker
+    process is a replica of one)."""
+    if os.environ.get("RECSYS_REPLICA_WORKERS"):
+        return int(os.environ["RECSYS_REPLICA_WORKERS"])
     parent, count = os.getppid(), 0
     with contextlib.suppress(OSError):
         for entry in os.scandir("/proc"):

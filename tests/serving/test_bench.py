@@ -100,6 +100,8 @@ def test_a_tiny_run_measures_every_method_at_every_cell(
     assert "plain-torchserve" in proc.stdout and "efficiency" in proc.stdout
     assert methods[LOGGED]["gateway"]["feature_log"]["enabled"]
     assert not methods["gateway"]["gateway"]["feature_log"]["enabled"]
+    # the lite backend (serving/lite): as many workers as the stack's TorchServe
+    assert methods["gateway-lite"]["workers"] == methods["torchserve-grpc"]["workers"]
 
 
 def test_the_refusal_floor_tool_runs_and_prints_its_figures() -> None:

@@ -9,9 +9,11 @@ or a missing token does not, and each refused caller is told its own reason.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -196,3 +198,48 @@ def test_container_healthcheck_reaches_a_tls_gateway_from_its_own_variables(
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     # reached over mutual TLS with the token: it is up, and says that no backend is serving yet
     assert proc.returncode == 1 and "gateway: NOT_SERVING" in proc.stderr, proc.stderr
+
+
+def _echo_server(port: int) -> grpc.Server:
+    """A gRPC server on ``port`` answering ``/t.T/Echo`` with its request."""
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    echo = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", {"Echo": echo}),))
+    assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+    server.start()
+    return server
+
+
+def test_a_client_is_back_within_seconds_of_a_server_down_for_twenty() -> None:
+    """Our channel tries a server that went away at least every second (grpc's own backoff
+    grows to 120 s: after 20 s down, it was back 6.4 s after the server, and a rolling
+    restart of the other gateway meanwhile leaves clients with neither; ours: 0.8 s)."""
+    from serving.tools.channel import open_channel
+
+    (port,) = free_ports(1)
+    server = _echo_server(port)
+    channel = open_channel(f"127.0.0.1:{port}")
+    echo = channel.unary_unary("/t.T/Echo")
+    try:
+        assert echo(b"x", timeout=5) == b"x"
+        server.stop(None).wait()
+        t_down = time.monotonic()
+        while time.monotonic() - t_down < 20:  # calls fail meanwhile, connects back off
+            with contextlib.suppress(grpc.RpcError):
+                echo(b"x", timeout=0.2)
+            time.sleep(0.05)
+        server = _echo_server(port)
+        t_up = time.monotonic()
+        while True:
+            with contextlib.suppress(grpc.RpcError):
+                if echo(b"x", timeout=0.5) == b"x":
+                    break
+            assert time.monotonic() - t_up < 5, "no answer 5 s after the server came back"
+            time.sleep(0.02)
+        # 1 s at most between connects (+20% jitter), generous for a busy machine
+        assert time.monotonic() - t_up < 3.0
+    finally:
+        channel.close()
+        server.stop(None)

@@ -1,0 +1,233 @@
+"""``python -m serving.lite MAR``: unpack a ``.mar`` and run its lite workers until stopped.
+
+    python -m serving.lite model_store/dlrm-3.mar --workers 2 --port 7200 --dir runs/lite
+
+Each worker (serving/lite/worker.py) is one process with ``cores / workers`` intra-op threads,
+serving TorchServe's gRPC inference API on its own port with its own key file. Once all are
+ready it prints them as JSON (``{"backend": ..., "key_file": ...}``), then the gateway's
+command that reaches them::
+
+    gateway: python -m serving.gateway --schema runs/lite/dlrm-3/schema.json \
+        --backend 127.0.0.1:7200,127.0.0.1:7201 --key-file 'runs/lite/keys/{port}.json'
+
+A worker that exits is started again (1 s later, backing off to 30 s while it keeps failing);
+SIGTERM or Ctrl-C stops them all. TorchServe stays the stack's default backend: this one has no
+management API (no rollouts, no scaling), see serving/lite/__init__.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from recsys_stack.cpus import available_cpus
+from recsys_stack.net import free_ports
+
+RESTART_S = (1.0, 30.0)  # a failed worker's first and longest wait before it starts again
+
+
+def unpack(mar: Path, into: Path) -> Path:
+    """``mar`` unpacked under ``into`` (as TorchServe unpacks it: every file at the top, the
+    manifest in MAR-INF/), once: a folder already unpacked from the same file is reused."""
+    stamp = f"{mar.resolve()} {mar.stat().st_size} {mar.stat().st_mtime_ns}"
+    dest = into / mar.stem
+    if (dest / ".unpacked-from").is_file() and (dest / ".unpacked-from").read_text() == stamp:
+        return dest
+    tmp = into / f".{mar.stem}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with zipfile.ZipFile(mar) as z:
+            z.extractall(tmp)
+    except zipfile.BadZipFile as e:
+        raise ValueError(f"{mar} is not a .mar (zip): {e}") from None
+    if not (tmp / "MAR-INF" / "MANIFEST.json").is_file():
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"{mar} has no MAR-INF/MANIFEST.json: not a .mar made by make export")
+    (tmp / ".unpacked-from").write_text(stamp)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+@dataclass
+class Pool:
+    """The running workers of one unpacked model."""
+
+    model_dir: Path
+    ports: list[int]
+    keys: Path
+    host: str = "127.0.0.1"
+    threads: int = 1
+    gpus: int = 0
+    procs: list[subprocess.Popen[bytes] | None] = field(default_factory=list)
+
+    def key_file(self, port: int) -> Path:
+        return self.keys / f"{port}.json"
+
+    @property
+    def backend(self) -> str:
+        """The gateway's ``backend``: every worker's address."""
+        return ",".join(f"{self.host}:{p}" for p in self.ports)
+
+    @property
+    def key_template(self) -> str:
+        """The gateway's ``key_file``: a template filled with each worker's port."""
+        return str(self.keys.resolve() / "{port}.json")
+
+    def start(self, i: int) -> subprocess.Popen[bytes]:
+        env = {
+            **os.environ,
+            "RECSYS_THREADS": str(self.threads),
+            "OMP_NUM_THREADS": str(self.threads),
+            "RECSYS_REPLICA_WORKERS": "1",  # each worker is a replica of one (its describe)
+        }
+        gpu = ["--gpu", str(i % self.gpus)] if self.gpus else []
+        cmd = [sys.executable, "-m", "serving.lite.worker", str(self.model_dir),
+               "--port", str(self.ports[i]), "--host", self.host,
+               "--key-file", str(self.key_file(self.ports[i])), *gpu]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE)
+        while len(self.procs) <= i:
+            self.procs.append(None)
+        self.procs[i] = proc
+        return proc
+
+    def start_all(self, timeout: float) -> None:
+        """Start every worker; return once each says it is ready (RuntimeError naming the
+        first that exits or does not within ``timeout``)."""
+        for i in range(len(self.ports)):
+            self.start(i)
+        deadline = time.monotonic() + timeout
+        for i, proc in enumerate(self.procs):
+            assert proc is not None
+            wait_ready(proc, deadline, f"lite worker {i} (port {self.ports[i]})")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM every worker, SIGKILL what has not exited within ``timeout``."""
+        live = [p for p in self.procs if p is not None and p.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in live:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def supervise(self, stopping: list[bool]) -> None:
+        """Restart workers that exit, until ``stopping[0]``."""
+        waits = [RESTART_S[0]] * len(self.ports)
+        due = [0.0] * len(self.ports)
+        while not stopping[0]:
+            time.sleep(0.2)
+            for i, proc in enumerate(self.procs):
+                if proc is None or proc.poll() is None or stopping[0]:
+                    continue
+                now = time.monotonic()
+                if not due[i]:
+                    print(f"lite worker {i} (port {self.ports[i]}) exited {proc.returncode}; "
+                          f"starting it again in {waits[i]:.0f} s", file=sys.stderr)  # fmt: skip
+                    due[i] = now + waits[i]
+                    waits[i] = min(RESTART_S[1], waits[i] * 2)
+                elif now >= due[i]:
+                    due[i] = 0.0
+                    self.start(i)
+
+
+def wait_ready(proc: subprocess.Popen[bytes], deadline: float, name: str) -> None:
+    """Block until ``proc`` prints ``ready``; RuntimeError if it exits or ``deadline`` passes."""
+    assert proc.stdout is not None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"{name} not ready in time")
+        readable, _, _ = select.select([proc.stdout], [], [], min(left, 1.0))
+        if readable:
+            line = proc.stdout.readline()
+            if line.startswith(b"ready"):
+                return
+            if not line and proc.poll() is not None:
+                raise RuntimeError(f"{name} exited {proc.returncode} before it was ready")
+        elif proc.poll() is not None:
+            raise RuntimeError(f"{name} exited {proc.returncode} before it was ready")
+
+
+def pool_for(
+    mar: Path, workers: int, port: int, folder: Path, host: str = "127.0.0.1", gpus: int = 0
+) -> Pool:
+    """A pool (not started) of ``workers`` (0: the CPUs this process may use) for ``mar``,
+    unpacked under ``folder``, on ports ``port``.. (0: free ones)."""
+    n = workers or available_cpus()
+    ports = free_ports(n, host) if port == 0 else list(range(port, port + n))
+    cores = available_cpus()
+    model_dir = unpack(mar, folder)
+    return Pool(model_dir, ports, folder / "keys", host, max(1, cores // n), gpus)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m serving.lite",
+        description="Serve a .mar with lite workers: the stack's handler behind TorchServe's "
+        "gRPC inference API, one process per worker, no TorchServe frontend. Prints the "
+        "gateway settings that reach them.",
+    )
+    p.add_argument("mar", type=Path, help="the model archive (model_store/<name>-<version>.mar)")
+    p.add_argument("--workers", type=int, default=0, help="worker processes (0 = cores)")
+    p.add_argument("--port", type=int, default=7200, help="first worker's port (0 = free ports)")
+    p.add_argument("--host", default="127.0.0.1", help="address the workers listen on")
+    p.add_argument("--dir", type=Path, default=Path("runs/lite"),
+                   help="where the .mar is unpacked and the key files go")  # fmt: skip
+    p.add_argument("--gpus", type=int, default=0, help="CUDA devices to spread workers over")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if not args.mar.is_file():
+        print(f"error: {args.mar} not found: make export writes model_store/<name>-<version>.mar",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.workers < 0:
+        print("error: --workers must be >= 0 (0 = one per core)", file=sys.stderr)
+        return 2
+    stopping = [False]
+
+    def stop(signum: int, frame: object) -> None:
+        stopping[0] = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        pool = pool_for(args.mar, args.workers, args.port, args.dir, args.host, args.gpus)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        pool.start_all(args.timeout)
+        print(json.dumps({"backend": pool.backend, "key_file": pool.key_template}))
+        print(f"gateway: python -m serving.gateway --schema {pool.model_dir / 'schema.json'} "
+              f"--backend {pool.backend} --key-file '{pool.key_template}'", flush=True)  # fmt: skip
+        pool.supervise(stopping)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        with contextlib.suppress(Exception):
+            pool.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""The lite backend (serving/lite): the stack's handler behind TorchServe's gRPC inference API
+in one process per worker, run for real: ``python -m serving.lite`` with two workers, the
+gateway in front of it, the export's own scores back, TorchServe's refusals (key, model,
+body), and a worker killed under load restarted by the launcher with no call failed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import psutil
+import pytest
+
+from serving.stubs import ranker_pb2_grpc
+from serving.tools.client import build_request
+from serving.torchserve.client import RequestRejected, inference_key, score
+from serving.worker.codec import encode_request, to_rows
+from tests.stack import start_gateway, stop_gateway, wait_status
+
+pytestmark = pytest.mark.slow
+ROWS = 16
+
+
+@contextlib.contextmanager
+def lite(mar: Path, folder: Path, workers: int = 2) -> Iterator[tuple[subprocess.Popen[str], dict]]:
+    """``python -m serving.lite MAR`` on free ports; (launcher, its JSON line); stopped after."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving.lite", str(mar), "--workers", str(workers),
+         "--port", "0", "--dir", str(folder)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("{"), f"launcher said {line!r}, exit {proc.poll()}"
+        yield proc, json.loads(line)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+
+
+def workers_of(launcher: subprocess.Popen[str]) -> list[psutil.Process]:
+    return psutil.Process(launcher.pid).children()
+
+
+def test_the_gateway_in_front_of_lite_workers_scores_like_the_export(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    export, store, _ = exported
+    s = np.load(export / "sample.npz")
+    request = build_request(s["dense"][:ROWS], to_rows(s["values"], s["lengths"])[:ROWS])
+    with lite(store / "dlrm-tiny-1.0.mar", tmp_path / "lite") as (launcher, said):
+        assert len(said["backend"].split(",")) == 2 and "{port}" in said["key_file"]
+        assert len(workers_of(launcher)) == 2
+        gateway, target = start_gateway(
+            export / "schema.json", [], tmp_path / "gateway.log",
+            backend=said["backend"], key_file=said["key_file"],
+        )  # fmt: skip
+        try:
+            wait_status(target, "SERVING", 60)
+            with grpc.insecure_channel(target) as channel:
+                stub = ranker_pb2_grpc.RankerStub(channel)
+                reply = stub.Score(request, timeout=10)
+                np.testing.assert_allclose(reply.scores, s["probs_int8"][:ROWS], atol=1e-6)
+                # a worker killed under load: the gateway fails over, the launcher starts
+                # it again (a new key file, which the gateway reads), no call fails
+                outcomes: list[str] = []
+                stop = threading.Event()
+
+                def call() -> None:
+                    while not stop.is_set():
+                        try:
+                            r = stub.Score(request, timeout=10)
+                            ok = np.allclose(r.scores, s["probs_int8"][:ROWS], atol=1e-6)
+                            outcomes.append("OK" if ok else "BAD_SCORES")
+                        except grpc.RpcError as e:
+                            outcomes.append(e.code().name)
+
+                threads = [threading.Thread(target=call) for _ in range(3)]
+                for t in threads:
+                    t.start()
+                time.sleep(1)
+                victim = workers_of(launcher)[0]
+                victim.send_signal(signal.SIGKILL)
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    now = workers_of(launcher)
+                    if len(now) == 2 and victim.pid not in {p.pid for p in now}:
+                        break
+                    time.sleep(0.2)
+                else:
+                    raise AssertionError("the launcher did not start the killed worker again")
+                time.sleep(8)  # the new worker loads and takes calls
+                stop.set()
+                for t in threads:
+                    t.join()
+                counts = {k: outcomes.count(k) for k in set(outcomes)}
+                assert counts.get("OK", 0) > 20 and set(counts) == {"OK"}, counts
+                metrics = reply_backends(stub, request)
+                assert len(metrics) == 2, f"calls reach both workers again: {metrics}"
+        finally:
+            assert stop_gateway(gateway) == 0
+
+
+def reply_backends(stub: ranker_pb2_grpc.RankerStub, request: object) -> set[str]:
+    """The backends that answered 40 calls (the gateway's x-recsys-backend trailer)."""
+    seen = set()
+    deadline = time.monotonic() + 30
+    while len(seen) < 2 and time.monotonic() < deadline:
+        _, call = stub.Score.with_call(request, timeout=10)
+        seen.add(dict(call.trailing_metadata()).get("x-recsys-backend", "?"))
+    return seen
+
+
+def test_a_lite_worker_refuses_as_torchserve_does(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    """A wrong key, another model or version, a malformed body: TorchServe's answers."""
+    export, store, _ = exported
+    s = np.load(export / "sample.npz")
+    body = encode_request(s["dense"][:2], *_first_two(s))
+    with lite(store / "dlrm-tiny-1.0.mar", tmp_path / "lite", workers=1) as (_, said):
+        target = said["backend"]
+        key_file = Path(said["key_file"].format(port=target.rsplit(":", 1)[1]))
+        assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+        key = inference_key(key_file)
+        with grpc.insecure_channel(target) as channel:
+            ok = np.frombuffer(score(channel, ("dlrm-tiny", "1.0"), body, 10, key), np.float32)
+            np.testing.assert_allclose(ok, s["probs_int8"][:2], atol=1e-6)
+            with pytest.raises(grpc.RpcError) as e:
+                score(channel, ("dlrm-tiny", "1.0"), body, 10, "not-the-key")
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            for model in (("other", "1.0"), ("dlrm-tiny", "2.0")):
+                with pytest.raises(grpc.RpcError) as e:
+                    score(channel, model, body, 10, key)
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND, model
+                assert "dlrm-tiny 1.0" in (e.value.details() or "")
+            with pytest.raises(RequestRejected, match=r"RSB1|magic|short|body"):
+                score(channel, ("dlrm-tiny", "1.0"), b"RSB1 but cut", 10, key)
+            # the worker lives on after a refusal
+            ok = np.frombuffer(score(channel, ("dlrm-tiny", "1.0"), body, 10, key), np.float32)
+            assert ok.shape == (2,)
+
+
+def _first_two(s: np.lib.npyio.NpzFile) -> tuple[np.ndarray, np.ndarray]:
+    """The sample's first two examples as feature-major values and lengths (RSB1's layout)."""
+    rows = to_rows(s["values"], s["lengths"])[:2]  # int64[2, F], -1 = missing
+    present = rows.T >= 0
+    return rows.T[present], present.astype(np.int32)
+
+
+def test_the_launcher_refuses_what_is_not_a_mar(tmp_path: Path) -> None:
+    bad = tmp_path / "x.mar"
+    bad.write_bytes(b"not a zip")
+    out = subprocess.run(
+        [sys.executable, "-m", "serving.lite", str(bad), "--dir", str(tmp_path / "l")],
+        capture_output=True, text=True, timeout=60, env={**os.environ},
+    )  # fmt: skip
+    assert out.returncode == 1 and "not a .mar" in out.stderr, out.stderr
+    missing = subprocess.run(
+        [sys.executable, "-m", "serving.lite", str(tmp_path / "none.mar")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "make export" in missing.stderr, missing.stderr
