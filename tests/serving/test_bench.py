@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -131,3 +132,42 @@ def test_the_own_cost_tool_runs_the_real_handler_chain(
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert missing.returncode == 2 and "give --export" in missing.stderr
+
+
+def test_the_floor_report_names_each_missed_target() -> None:
+    """serving/bench/floor.py: the floor = in-process x workers; each gateway against
+    TorchServe direct and its share of the floor, every target checked."""
+    from serving.bench.floor import report
+
+    def row(method: str, n: int, c: int, ex_s: float, p50: float = 5.0) -> dict[str, Any]:
+        return {"method": method, "examples": n, "concurrency": c, "examples_per_s": ex_s,
+                "p50_ms": p50, "cpu_ms_per_request": {"client": 0.5, "gateway": 1.0}}  # fmt: skip
+
+    doc = {
+        "settings": {"date": "d", "cores": 2, "loadavg_before": [0.1], "loadavg_after": [0.2],
+                     "model": {"name": "m"}, "methods": {"torchserve-grpc": {"workers": 2}}},
+        "results": [
+            row("in-process", 1000, 1, 50_000), row("in-process", 1, 1, 4_000),
+            row("torchserve-grpc", 1000, 4, 70_000), row("torchserve-grpc", 1, 64, 900),
+            row("torchserve-grpc", 1, 1, 300, 3.0),
+            row("gateway", 1000, 4, 60_000), row("gateway", 1, 64, 1_500),
+            row("gateway", 1, 1, 250, 4.0),
+            row("gateway-lite", 1000, 4, 85_000), row("gateway-lite", 1, 64, 2_600),
+            row("gateway-lite", 1, 1, 700, 4.2),
+        ],
+    }  # fmt: skip
+    text, missed = report(doc)
+    assert "100,000" in text  # the floor at 1,000 examples: 50,000 x 2 workers
+    assert sorted(missed) == sorted([
+        "gateway 1000 x 4: 0.86x TorchServe direct (target >= 1)",
+        "gateway 1000 x 4: 0.60 of the floor (target >= 0.8)",
+        "gateway 1 x 1: 0.83x TorchServe direct (target >= 1)",
+        "gateway 1 x 64: 0.19 of the floor (target >= 0.3)",
+    ])  # fmt: skip
+    # the lite gateway met each of its targets; its p50 (4.2) within this run's gateway + 0.3
+    assert not [m for m in missed if m.startswith("gateway-lite")]
+    slower = {**doc, "results": [
+        {**r, "p50_ms": 4.5} if r["method"] == "gateway-lite" and r["concurrency"] == 1 else r
+        for r in doc["results"]
+    ]}  # fmt: skip
+    assert "gateway-lite p50 at 1 x 1: 4.50 ms > 4.00 + 0.3 ms" in report(slower)[1]
