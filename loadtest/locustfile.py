@@ -10,7 +10,11 @@ anything else is a failure with its reason. As it quits, each process writes its
 figures (``loadtest/tally.py``): Locust's CSVs are once-a-second snapshots that miss the end. The channel is
 every tool's (``serving/tools/channel.py``): it retries a call the gateway never ran
 (UNAVAILABLE, CANCELLED: what a gateway takeover costs), so Locust sees one call, its time
-including the retries.
+including the retries. Calls wait for a connection within their deadline (gRPC's
+``wait_for_ready``, as a client of a service behind rolling updates should): while no gateway
+address is connected, for a moment during a rolling update (compose replaces a gateway: a
+new address, up to ~4 s with neither connected on a loaded 2-core machine), a call waits
+instead of failing at once; a gateway down longer than the deadline still fails its calls.
 
 Settings (environment, read by each load process):
   RECSYS_GATEWAY          host:port when ``--host`` is not given (default 127.0.0.1:50051)
@@ -203,7 +207,8 @@ class RankerUser(User):
     @task
     def score(self) -> None:
         with contextlib.suppress(grpc.RpcError):  # reported by the interceptor
-            self.stub.Score(random.choice(self.pool), timeout=self.timeout, metadata=self.metadata)
+            self.stub.Score(random.choice(self.pool), timeout=self.timeout,
+                            metadata=self.metadata, wait_for_ready=True)  # fmt: skip
 
 
 __all__ = ["RankerUser", "events"]
