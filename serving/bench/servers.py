@@ -30,6 +30,7 @@ import psutil
 from recsys_stack.net import free_ports
 from serving.bench.config import LITE, LOGGED
 from serving.gateway.config import GatewayConfig
+from serving.lite import GATEWAY_SETTINGS
 from serving.tools.supervisor import launch_gateway, wait_serving
 from serving.torchserve import process
 from serving.torchserve.config import TorchServeConfig, on_free_ports
@@ -209,7 +210,9 @@ def start_all(
         backends[LITE], procs["lite"] = start_lite(
             lite_mar, ts.worker_count(), work, timeout, stack
         )
-        gateways.append((LITE, dataclasses.replace(gcfg, http_port=0)))
+        # the gateway as the launcher prints it: hedging off (the workers share the cores)
+        hedge = dataclasses.replace(gcfg.hedge, ratio=GATEWAY_SETTINGS["hedge"]["ratio"])
+        gateways.append((LITE, dataclasses.replace(gcfg, http_port=0, hedge=hedge)))
     for key, g in gateways:
         g, gw = start_gateway(g, backends[key], model.export / "schema.json",
                               work / f"{key}.log", stack)  # fmt: skip

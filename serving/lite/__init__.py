@@ -9,3 +9,10 @@ rollouts, scaling and ``make status`` use; this backend serves one model version
 start (embedding deltas included), and is measured beside TorchServe by ``python -m
 serving.bench`` (method ``gateway-lite``).
 """
+
+from typing import Any
+
+# What the gateway in front of one machine's lite workers sets besides its backend: hedging
+# off. The workers share the machine's cores, so a hedged copy of a slow call only doubles
+# the work (serving/lite/__main__.py has the figures).
+GATEWAY_SETTINGS: dict[str, Any] = {"hedge": {"ratio": 0.0}}

@@ -21,6 +21,7 @@ import numpy as np
 import psutil
 import pytest
 
+from serving.gateway.config import HedgeConfig
 from serving.stubs import ranker_pb2_grpc
 from serving.tools.client import build_request
 from serving.torchserve.client import RequestRejected, inference_key, score
@@ -61,10 +62,12 @@ def test_the_gateway_in_front_of_lite_workers_scores_like_the_export(
     request = build_request(s["dense"][:ROWS], to_rows(s["values"], s["lengths"])[:ROWS])
     with lite(store / "dlrm-tiny-1.0.mar", tmp_path / "lite") as (launcher, said):
         assert len(said["backend"].split(",")) == 2 and "{port}" in said["key_file"]
+        assert said["hedge"] == {"ratio": 0.0}
         assert len(workers_of(launcher)) == 2
         gateway, target = start_gateway(
             export / "schema.json", [], tmp_path / "gateway.log",
             backend=said["backend"], key_file=said["key_file"],
+            hedge=HedgeConfig(**said["hedge"]),  # as the launcher says: hedging off
         )  # fmt: skip
         try:
             wait_status(target, "SERVING", 60)
