@@ -172,6 +172,12 @@ def _worker_threads(cfg: BenchConfig) -> int:
     return cpu_threads(dict(os.environ), os.cpu_count() or 1, cfg.torchserve.worker_count())
 
 
+def _gateway_settings(gcfg: Any) -> dict[str, Any]:
+    """A bench gateway's settings, less what the bench sets per run (ports, backend, keys)."""
+    set_here = ("schema", "host", "port", "backend", "key_file")
+    return {k: v for k, v in to_dict(gcfg).items() if k not in set_here}
+
+
 def describe(
     cfg: BenchConfig, model: Model, up: dict[str, Any], chosen: list[str]
 ) -> dict[str, Any]:
@@ -190,15 +196,12 @@ def describe(
                         **servers.model_settings(up["stack"])}  # fmt: skip
     for x in ("gateway", LOGGED):
         if x in up:
-            gw = {k: v for k, v in to_dict(up[x]).items()
-                  if k not in ("schema", "host", "port", "backend", "key_file")}  # fmt: skip
             per[x] = {"api": "gRPC Ranker/Score", **servers.model_settings(up["stack"]),
-                      "gateway": gw}  # fmt: skip
+                      "gateway": _gateway_settings(up[x])}  # fmt: skip
     if LITE in up:
-        gw = {k: v for k, v in to_dict(up[LITE]).items()
-              if k not in ("schema", "host", "port", "backend", "key_file")}  # fmt: skip
         per[LITE] = {"api": "gRPC Ranker/Score -> serving.lite workers",
-                     "workers": cfg.torchserve.worker_count(), "gateway": gw}  # fmt: skip
+                     "workers": cfg.torchserve.worker_count(),
+                     "gateway": _gateway_settings(up[LITE])}  # fmt: skip
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "cores": os.cpu_count(),

@@ -77,7 +77,11 @@ class Pool:
     host: str = "127.0.0.1"
     threads: int = 1
     gpus: int = 0
-    procs: list[subprocess.Popen[bytes] | None] = field(default_factory=list)
+    procs: list[subprocess.Popen[bytes] | None] = field(init=False)
+    """Each port's worker process (None until started)."""
+
+    def __post_init__(self) -> None:
+        self.procs = [None] * len(self.ports)
 
     def key_file(self, port: int) -> Path:
         return self.keys / f"{port}.json"
@@ -92,7 +96,8 @@ class Pool:
         """The gateway's ``key_file``: a template filled with each worker's port."""
         return str(self.keys.resolve() / "{port}.json")
 
-    def start(self, i: int) -> subprocess.Popen[bytes]:
+    def start(self, i: int) -> None:
+        """Start the worker of ``self.ports[i]`` (its process goes in ``self.procs[i]``)."""
         env = {
             **os.environ,
             "RECSYS_THREADS": str(self.threads),
@@ -103,11 +108,7 @@ class Pool:
         cmd = [sys.executable, "-m", "serving.lite.worker", str(self.model_dir),
                "--port", str(self.ports[i]), "--host", self.host,
                "--key-file", str(self.key_file(self.ports[i])), *gpu]  # fmt: skip
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE)
-        while len(self.procs) <= i:
-            self.procs.append(None)
-        self.procs[i] = proc
-        return proc
+        self.procs[i] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE)
 
     def start_all(self, timeout: float) -> None:
         """Start every worker; return once each says it is ready (RuntimeError naming the
