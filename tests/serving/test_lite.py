@@ -24,8 +24,15 @@ import pytest
 from serving.gateway.config import HedgeConfig
 from serving.stubs import ranker_pb2_grpc
 from serving.tools.client import build_request
-from serving.torchserve.client import RequestRejected, inference_key, score
-from serving.worker.codec import encode_request, to_rows
+from serving.torchserve.client import (
+    RequestRejected,
+    bearer,
+    inference_key,
+    inference_stub,
+    predictions_request,
+    score,
+)
+from serving.worker.codec import DESCRIBE, encode_request, to_rows
 from tests.stack import start_gateway, stop_gateway, wait_status
 
 pytestmark = pytest.mark.slow
@@ -117,7 +124,7 @@ def test_the_gateway_in_front_of_lite_workers_scores_like_the_export(
 
 def reply_backends(stub: ranker_pb2_grpc.RankerStub, request: object) -> set[str]:
     """The backends that answered 40 calls (the gateway's x-recsys-backend trailer)."""
-    seen = set()
+    seen: set[str] = set()
     deadline = time.monotonic() + 30
     while len(seen) < 2 and time.monotonic() < deadline:
         _, call = stub.Score.with_call(request, timeout=10)
@@ -153,6 +160,13 @@ def test_a_lite_worker_refuses_as_torchserve_does(
             # the worker lives on after a refusal
             ok = np.frombuffer(score(channel, ("dlrm-tiny", "1.0"), body, 10, key), np.float32)
             assert ok.shape == (2,)
+            # its describe answer (what the gateway asks): one worker, so one call in flight
+            request = predictions_request("dlrm-tiny", "1.0", b"")
+            del request.input["data"]
+            request.input[DESCRIBE] = b""
+            reply = inference_stub(channel).Predictions(request, timeout=10, metadata=bearer(key))
+            described = json.loads(reply.prediction)
+            assert described["workers"] == 1 and described["variant"] == "int8", described
 
 
 def _first_two(s: np.lib.npyio.NpzFile) -> tuple[np.ndarray, np.ndarray]:
