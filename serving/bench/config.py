@@ -11,11 +11,13 @@ from serving.torchserve.config import MODEL_STORE, TorchServeConfig
 
 # fmt: off
 Method = Literal["in-process", "plain-torchserve", "torchserve-grpc", "relay", "gateway",
-                 "gateway-lite", "gateway+log"]
+                 "gateway-lite", "gateway-lite-grpc", "gateway+log"]
 METHODS: list[Method] = ["in-process", "plain-torchserve", "torchserve-grpc", "relay", "gateway",
                          "gateway-lite"]
 # fmt: on
 LITE: Method = "gateway-lite"  # the gateway in front of serving/lite workers, not TorchServe
+LITE_GRPC: Method = "gateway-lite-grpc"  # the same workers reached over gRPC, not their sockets
+LITES = (LITE, LITE_GRPC)
 LOGGED: Method = "gateway+log"  # the gateway with its feature log on (--feature-log)
 BASELINE: Method = "plain-torchserve"
 FLOOR: Method = "in-process"

@@ -21,7 +21,7 @@ from recsys_stack.config import ConfigError, parse, to_dict
 from recsys_stack.progress import progress
 from serving.bench import methods as m
 from serving.bench import servers
-from serving.bench.config import FLOOR, LITE, LOGGED, METHODS, BenchConfig
+from serving.bench.config import FLOOR, LITE, LITE_GRPC, LITES, LOGGED, METHODS, BenchConfig
 from serving.bench.measure import Cell, run_cell
 from serving.bench.model import Model, build_model, payload
 from serving.bench.report import results, settings_text, table
@@ -49,7 +49,7 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
         cfg.torchserve, model_store=store, mar_file=f"{model.name}-{model.version}.mar",
         model_name=model.name, model_version=model.version,
     )  # fmt: skip
-    chosen: list[str] = [x for x in [*METHODS, LOGGED] if x in cfg.methods or (
+    chosen: list[str] = [x for x in [*METHODS, LITE_GRPC, LOGGED] if x in cfg.methods or (
         x == LOGGED and cfg.feature_log)]  # fmt: skip
     # The benchmark measures what the servers do with the load it offers: the gateway's
     # admission budget covers the largest cell, so no call is refused as overload (plain
@@ -67,7 +67,7 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
         plain_threads=cfg.plain_threads if "plain-torchserve" in chosen else None,
         want_stack=bool({"torchserve-grpc", "relay", "gateway", LOGGED, LITE} & set(chosen)),
         want_gateway="gateway" in chosen, want_relay="relay" in chosen,
-        want_logged=LOGGED in chosen, want_lite=LITE in chosen,
+        want_logged=LOGGED in chosen, lite=[x for x in LITES if x in chosen],
     )  # fmt: skip
     settings = describe(cfg, model, up, chosen)
     connects = _connects(chosen, model, up, settings)
@@ -135,8 +135,9 @@ def _servers_of(procs: dict[str, Any]) -> dict[str, dict[str, Any]]:
             out["gateway"] = {"gateway": procs["gateway"], "torchserve": procs["stack"]}
         if LOGGED in procs:
             out[LOGGED] = {"gateway": procs[LOGGED], "torchserve": procs["stack"]}
-    if LITE in procs:
-        out[LITE] = {"gateway": procs[LITE], "lite": procs["lite"]}
+    for x in LITES:
+        if x in procs:
+            out[x] = {"gateway": procs[x], "lite": procs["lite"]}
     return out
 
 
@@ -159,7 +160,7 @@ def _connects(
         )
     if "relay" in chosen:
         out["relay"] = m.torchserve_grpc(up["relay"], inference_key(up["stack"].key_file))
-    for x in ("gateway", LOGGED, LITE):
+    for x in ("gateway", LOGGED, *LITES):
         if x in chosen:
             out[x] = m.gateway(f"127.0.0.1:{up[x].port}")
     return out
@@ -198,10 +199,11 @@ def describe(
         if x in up:
             per[x] = {"api": "gRPC Ranker/Score", **servers.model_settings(up["stack"]),
                       "gateway": _gateway_settings(up[x])}  # fmt: skip
-    if LITE in up:
-        per[LITE] = {"api": "gRPC Ranker/Score -> serving.lite workers",
-                     "workers": cfg.torchserve.worker_count(),
-                     "gateway": _gateway_settings(up[LITE])}  # fmt: skip
+    for x, door in ((LITE, "their Unix sockets"), (LITE_GRPC, "their gRPC API")):
+        if x in up:
+            per[x] = {"api": f"gRPC Ranker/Score -> serving.lite workers, {door}",
+                      "workers": cfg.torchserve.worker_count(),
+                      "gateway": _gateway_settings(up[x])}  # fmt: skip
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "cores": os.cpu_count(),

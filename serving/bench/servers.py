@@ -22,13 +22,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from recsys_stack.net import free_ports
-from serving.bench.config import LITE, LOGGED
+from serving.bench.config import LITE, LITE_GRPC, LOGGED
 from serving.gateway.config import GatewayConfig
 from serving.lite import GATEWAY_SETTINGS
 from serving.tools.supervisor import launch_gateway, wait_serving
@@ -157,9 +158,10 @@ def start_relay(
 
 def start_lite(
     mar: Path, workers: int, work: Path, timeout: float, stack: contextlib.ExitStack
-) -> tuple[tuple[str, str], subprocess.Popen[bytes]]:
+) -> tuple[dict[str, tuple[str, str]], subprocess.Popen[bytes]]:
     """``python -m serving.lite`` serving ``mar`` with ``workers`` workers on free ports;
-    ((backend, key file template) for the gateway, the launcher, whose children they are)."""
+    ((backend, key files) for a gateway per lite method: the workers' sockets, their gRPC
+    ports; the launcher, whose children they are)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving.lite", str(mar), "--workers", str(workers),
          "--port", "0", "--dir", str(work / "lite"), "--timeout", str(timeout)],
@@ -170,13 +172,15 @@ def start_lite(
     if not line.startswith(b"{"):
         raise RuntimeError(f"the lite workers did not start (exit code {proc.poll()})")
     said = json.loads(line)
-    return (said["backend"], said["key_file"]), proc
+    grpc_door = said["grpc"]
+    return {LITE: (said["backend"], said["key_file"]),
+            LITE_GRPC: (grpc_door["backend"], grpc_door["key_file"])}, proc  # fmt: skip
 
 
 def start_all(
     model: Any, ts: TorchServeConfig, gcfg: GatewayConfig, work: Path, timeout: float,
     stack: contextlib.ExitStack, plain_threads: int | None, want_stack: bool, want_gateway: bool,
-    want_relay: bool = False, want_logged: bool = False, want_lite: bool = False,
+    want_relay: bool = False, want_logged: bool = False, lite: Sequence[str] = (),
 ) -> dict[str, Any]:  # fmt: skip
     """Start what the chosen methods need (both TorchServes at once; the peer unless
     ``plain_threads`` is None); their configs."""
@@ -205,14 +209,14 @@ def start_all(
                                    sample=1.0, key_file="")  # fmt: skip
         gateways.append((LOGGED, dataclasses.replace(gcfg, feature_log=flog, http_port=0)))
     backends = {key: torchserve_backend(out["stack"]) for key, _ in gateways}
-    if want_lite:  # as many lite workers as the stack's TorchServe runs
-        lite_mar = ts.model_store / ts.mar
-        backends[LITE], procs["lite"] = start_lite(
-            lite_mar, ts.worker_count(), work, timeout, stack
-        )
-        # the gateway as the launcher prints it: hedging off (the workers share the cores)
+    if lite:  # as many lite workers as the stack's TorchServe runs; a gateway per door
+        doors, procs["lite"] = start_lite(ts.model_store / ts.mar, ts.worker_count(), work,
+                                          timeout, stack)  # fmt: skip
+        # each gateway as the launcher prints it: hedging off (the workers share the cores)
         hedge = dataclasses.replace(gcfg.hedge, ratio=GATEWAY_SETTINGS["hedge"]["ratio"])
-        gateways.append((LITE, dataclasses.replace(gcfg, http_port=0, hedge=hedge)))
+        for key in lite:
+            backends[key] = doors[key]
+            gateways.append((key, dataclasses.replace(gcfg, http_port=0, hedge=hedge)))
     for key, g in gateways:
         g, gw = start_gateway(g, backends[key], model.export / "schema.json",
                               work / f"{key}.log", stack)  # fmt: skip

@@ -3,6 +3,8 @@
 ``backend`` lists entries, comma-separated:
 
 * ``host:port``: one replica (gRPC resolves ``host`` itself; one channel, one backend).
+* ``lite:PATH``: a lite worker's Unix socket on this machine (serving/lite: ``python -m
+  serving.lite`` prints these), called over its own frames instead of gRPC.
 * ``dns:///name:port`` (gRPC's naming form; ``dns:name:port`` too; port 7070 when left out):
   every address ``name`` resolves to is a replica. It is resolved again before each health
   round, so replicas a Deployment or ``docker compose --scale`` adds are probed and take calls
@@ -25,6 +27,8 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from serving.lite.frames import SCHEME, check_path
 
 logger = logging.getLogger("serving.gateway.discovery")
 DEFAULT_PORT = 7070  # TorchServe's gRPC inference port
@@ -63,7 +67,9 @@ def parse(backend: str) -> list[Entry]:
     for text in (t.strip() for t in backend.split(",")):
         if not text:
             continue
-        if text.startswith("dns:"):
+        if text.startswith(SCHEME):  # a lite worker's socket on this machine
+            entries.append(Entry(text, check_path(text[len(SCHEME) :]), 0, dns=False))
+        elif text.startswith("dns:"):
             rest = text[len("dns:") :]
             if rest.startswith("//"):  # dns://[authority]/name:port: the system's resolver only
                 authority, slash, rest = rest[2:].partition("/")

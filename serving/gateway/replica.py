@@ -12,7 +12,9 @@ from typing import Any
 import grpc
 import numpy as np
 
+from serving.gateway.localsock import SocketChannel
 from serving.gateway.wire import prediction_of
+from serving.lite.frames import SCHEME
 from serving.torchserve.client import PREDICTIONS
 from serving.torchserve.keys import KeySource
 from serving.worker.codec import CodecError, decode_response, encode_request
@@ -44,7 +46,7 @@ def probe_problem(prediction: bytes) -> str:
 class Backend:
     target: str
     keys: KeySource
-    channel: grpc.aio.Channel
+    channel: grpc.aio.Channel | SocketChannel
     predictions: Any
     """``Predictions`` taking a serialized request (``predictions_envelope`` + body)."""
     ready: dict[str, bool] = field(default_factory=dict)
@@ -81,7 +83,11 @@ class Backend:
 
 
 def connect(target: str, key_file: Path, options: Sequence[tuple[str, Any]]) -> Backend:
-    """A backend for ``target`` (its own channel; calls take serialized requests)."""
+    """A backend for ``target`` (its own channel; calls take serialized requests): a lite
+    worker's socket for ``lite:PATH`` (serving/gateway/localsock.py), else a gRPC channel."""
+    if target.startswith(SCHEME):
+        sock = SocketChannel(target[len(SCHEME) :])
+        return Backend(target, KeySource(key_file), sock, sock.predictions)
     channel = grpc.aio.insecure_channel(target, options=options)
     predictions = channel.unary_unary(
         PREDICTIONS, request_serializer=None, response_deserializer=prediction_of

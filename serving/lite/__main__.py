@@ -3,20 +3,22 @@
     python -m serving.lite model_store/dlrm-3.mar --workers 2 --port 7200 --dir runs/lite
 
 Each worker (serving/lite/worker.py) is one process with ``cores / workers`` intra-op threads,
-serving TorchServe's gRPC inference API on its own port with its own key file. Once all are
-ready it prints them as JSON (``{"backend": ..., "key_file": ...}``), then the gateway's
-command that reaches them::
+serving TorchServe's gRPC inference API on its own port and the same calls on its own Unix
+socket (``DIR/sockets/PORT.sock``, serving/lite/frames.py), with its own key file. Once all
+are ready it prints them as JSON (``{"backend": ..., "key_file": ...}``), then the gateway's
+command that reaches them, over the sockets (``--transport grpc``: over gRPC)::
 
     gateway: python -m serving.gateway --schema runs/lite/dlrm-3/schema.json \
-        --backend 127.0.0.1:7200,127.0.0.1:7201 --key-file 'runs/lite/keys/{port}.json' \
-        --hedge.ratio 0
+        --backend lite:/abs/runs/lite/sockets/7200.sock,lite:/abs/runs/lite/sockets/7201.sock \
+        --key-file '/abs/runs/lite/keys/7200.json,/abs/runs/lite/keys/7201.json' --hedge.ratio 0
 
 Hedging off (``GATEWAY_SETTINGS``, also in the JSON): the workers share one machine's cores,
 so a hedged copy of a slow call only doubles the work (``python -m serving.bench``, 100
 examples x 16 / 64 callers: 45,773 / 49,941 examples/s with the gateway's default hedging,
 56,171 / 59,414 without).
 
-A worker that exits is started again (1 s later, backing off to 30 s while it keeps failing);
+A worker that exits is started again (1 s later, backing off to 30 s while it keeps failing;
+back to 1 s once it has run a minute);
 SIGTERM or Ctrl-C stops them all. TorchServe stays the stack's default backend: this one has no
 management API (no rollouts, no scaling), see serving/lite/__init__.py.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import select
@@ -40,8 +43,10 @@ from pathlib import Path
 from recsys_stack.cpus import available_cpus
 from recsys_stack.net import free_ports
 from serving.lite import GATEWAY_SETTINGS
+from serving.lite.frames import SCHEME, check_path
 
 RESTART_S = (1.0, 30.0)  # a failed worker's first and longest wait before it starts again
+STEADY_S = 60.0  # a worker that ran this long before it exited is restarted after RESTART_S[0]
 
 
 def unpack(mar: Path, into: Path) -> Path:
@@ -77,23 +82,38 @@ class Pool:
     host: str = "127.0.0.1"
     threads: int = 1
     gpus: int = 0
+    transport: str = "socket"
+    """How the gateway reaches the workers: ``socket`` (each worker's Unix socket, the
+    frames of serving/lite/frames.py) or ``grpc`` (TorchServe's gRPC API on its port)."""
     procs: list[subprocess.Popen[bytes] | None] = field(init=False)
     """Each port's worker process (None until started)."""
+    started: list[float] = field(init=False)
+    """When each was last started (monotonic)."""
 
     def __post_init__(self) -> None:
         self.procs = [None] * len(self.ports)
+        self.started = [0.0] * len(self.ports)
 
     def key_file(self, port: int) -> Path:
         return self.keys / f"{port}.json"
 
+    def socket(self, port: int) -> Path:
+        """The Unix socket of the worker of ``port`` (in a 0700 folder beside the keys)."""
+        return self.keys.parent.resolve() / "sockets" / f"{port}.sock"
+
     @property
     def backend(self) -> str:
-        """The gateway's ``backend``: every worker's address."""
+        """The gateway's ``backend``: every worker's socket (``lite:PATH``) or address."""
+        if self.transport == "socket":
+            return ",".join(f"{SCHEME}{self.socket(p)}" for p in self.ports)
         return ",".join(f"{self.host}:{p}" for p in self.ports)
 
     @property
     def key_template(self) -> str:
-        """The gateway's ``key_file``: a template filled with each worker's port."""
+        """The gateway's ``key_file``: a template filled with each worker's port (gRPC), or
+        each worker's own file, in ``backend``'s order (sockets)."""
+        if self.transport == "socket":
+            return ",".join(str(self.key_file(p).resolve()) for p in self.ports)
         return str(self.keys.resolve() / "{port}.json")
 
     def start(self, i: int) -> None:
@@ -107,8 +127,10 @@ class Pool:
         gpu = ["--gpu", str(i % self.gpus)] if self.gpus else []
         cmd = [sys.executable, "-m", "serving.lite.worker", str(self.model_dir),
                "--port", str(self.ports[i]), "--host", self.host,
-               "--key-file", str(self.key_file(self.ports[i])), *gpu]  # fmt: skip
+               "--key-file", str(self.key_file(self.ports[i])),
+               "--socket", str(self.socket(self.ports[i])), *gpu]  # fmt: skip
         self.procs[i] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE)
+        self.started[i] = time.monotonic()
 
     def start_all(self, timeout: float) -> None:
         """Start every worker; return once each says it is ready (RuntimeError naming the
@@ -144,6 +166,8 @@ class Pool:
                     continue
                 now = time.monotonic()
                 if not due[i]:
+                    if now - self.started[i] > STEADY_S:  # it ran a while: a new failure streak
+                        waits[i] = RESTART_S[0]
                     print(f"lite worker {i} (port {self.ports[i]}) exited {proc.returncode}; "
                           f"starting it again in {waits[i]:.0f} s", file=sys.stderr)  # fmt: skip
                     due[i] = now + waits[i]
@@ -172,15 +196,20 @@ def wait_ready(proc: subprocess.Popen[bytes], deadline: float, name: str) -> Non
 
 
 def pool_for(
-    mar: Path, workers: int, port: int, folder: Path, host: str = "127.0.0.1", gpus: int = 0
-) -> Pool:
+    mar: Path, workers: int, port: int, folder: Path, host: str = "127.0.0.1", gpus: int = 0,
+    transport: str = "socket",
+) -> Pool:  # fmt: skip
     """A pool (not started) of ``workers`` (0: the CPUs this process may use) for ``mar``,
-    unpacked under ``folder``, on ports ``port``.. (0: free ones)."""
+    unpacked under ``folder``, on ports ``port``.. (0: free ones); ValueError for a folder
+    too deep for the workers' sockets."""
     n = workers or available_cpus()
     ports = free_ports(n, host) if port == 0 else list(range(port, port + n))
     cores = available_cpus()
-    model_dir = unpack(mar, folder)
-    return Pool(model_dir, ports, folder / "keys", host, max(1, cores // n), gpus)
+    pool = Pool(folder, ports, folder / "keys", host, max(1, cores // n), gpus, transport)
+    for p in ports:
+        check_path(str(pool.socket(p)))
+    pool.model_dir = unpack(mar, folder)
+    return pool
 
 
 def parser() -> argparse.ArgumentParser:
@@ -196,6 +225,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address the workers listen on")
     p.add_argument("--dir", type=Path, default=Path("runs/lite"),
                    help="where the .mar is unpacked and the key files go")  # fmt: skip
+    p.add_argument("--transport", choices=("socket", "grpc"), default="socket",
+                   help="how the printed gateway command reaches the workers: their Unix sockets "
+                   "(lite:PATH, the default, the lighter path) or TorchServe's gRPC API on their "
+                   "ports (both are served)")  # fmt: skip
     p.add_argument("--gpus", type=int, default=0, help="CUDA devices to spread workers over")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
     return p
@@ -218,14 +251,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        pool = pool_for(args.mar, args.workers, args.port, args.dir, args.host, args.gpus)
+        pool = pool_for(
+            args.mar, args.workers, args.port, args.dir, args.host, args.gpus, args.transport
+        )
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
         pool.start_all(args.timeout)
+        grpc_pool = dataclasses.replace(pool, transport="grpc")
+        grpc_door = {"backend": grpc_pool.backend, "key_file": grpc_pool.key_template}
         print(json.dumps({"backend": pool.backend, "key_file": pool.key_template,
-                          **GATEWAY_SETTINGS}))  # fmt: skip
+                          **GATEWAY_SETTINGS, "grpc": grpc_door}))  # fmt: skip
         print(f"gateway: python -m serving.gateway --schema {pool.model_dir / 'schema.json'} "
               f"--backend {pool.backend} --key-file '{pool.key_template}' --hedge.ratio 0",
               flush=True)  # fmt: skip

@@ -14,6 +14,9 @@ frontend, its queue and the socket hop to a Python worker (docs/bench.md).
   (``{"inference": {"key": ...}}``, mode 0600; TorchServe writes new keys at every start too),
   is required as ``authorization: Bearer <key>``; anything else is PERMISSION_DENIED.
 - A request for another model or version is NOT_FOUND (TorchServe's answer for an unknown one).
+- ``--socket PATH``: the same calls on a Unix socket, in the frames of serving/lite/frames.py
+  (the gateway's ``lite:PATH`` backends: no gRPC stack on either side), the socket 0600 in a
+  0700 folder, the same key as the first frame of each connection.
 - SIGTERM: stop taking calls, finish those running (up to 10 s), exit 0.
 
 Prints ``ready <port>`` on stdout once loaded, warmed up and listening.
@@ -30,12 +33,14 @@ import os
 import secrets
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from serving.lite.frames import MAX_FRAME, REPLY, REQUEST, check_path
 from serving.torchserve.client import PREDICTIONS, field_head, inference_pb2
 
 logger = logging.getLogger("serving.lite.worker")
@@ -97,23 +102,34 @@ class Worker:
                 return hmac.compare_digest(given, self.bearer)
         return False
 
-    async def predictions(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        if not self._authorized(context):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "Token Authorization failed")
+    def answer(self, raw: bytes) -> tuple[grpc.StatusCode, bytes]:
+        """A serialized ``PredictionsRequest`` -> (status, the prediction's bytes or the
+        refusal's details): what both doors (gRPC, the socket) answer."""
         try:
             request = inference_pb2.PredictionsRequest.FromString(raw)
         except DecodeError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a PredictionsRequest: {e}")
+            return grpc.StatusCode.INVALID_ARGUMENT, f"not a PredictionsRequest: {e}".encode()
         if request.model_name != self.name or request.model_version not in ("", self.version):
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
+            return grpc.StatusCode.NOT_FOUND, (
                 f"Model not found: {request.model_name} {request.model_version or '(default)'} "
-                f"(this worker serves {self.name} {self.version})",
-            )
+                f"(this worker serves {self.name} {self.version})"
+            ).encode()
         self.context.statuses.clear()
-        out = self.handler.handle([dict(request.input)], self.context)[0]
+        try:
+            out = self.handler.handle([dict(request.input)], self.context)[0]
+        except Exception as e:  # the handler refuses bad bodies itself: this is a fault
+            logger.exception("the handler failed")
+            return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}".encode()
         if not isinstance(out, bytes | bytearray):  # a JSON request's scores: a list
             out = json.dumps(out).encode()
+        return grpc.StatusCode.OK, bytes(out)
+
+    async def predictions(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        if not self._authorized(context):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "Token Authorization failed")
+        code, out = self.answer(raw)
+        if code != grpc.StatusCode.OK:
+            await context.abort(code, out.decode())
         return field_head(0x0A, len(out)) + out  # PredictionResponse.prediction (field 1)
 
     async def ping(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -121,7 +137,57 @@ class Worker:
         return field_head(0x0A, len(health)) + health  # TorchServeHealthResponse.health
 
 
-async def serve(worker: Worker, host: str, port: int) -> None:
+class SocketDoor(asyncio.Protocol):
+    """One connection to the worker's Unix socket (serving/lite/frames.py): a hello frame with
+    the key, then requests answered in order, each scored as it is read (one at a time, on
+    the event loop, as gRPC's calls are)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.buf = bytearray()
+        self.hello = False
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        while len(buf) >= REQUEST.size and self.transport is not None:
+            n, deadline = REQUEST.unpack_from(buf)
+            if n > MAX_FRAME:
+                self._end(grpc.StatusCode.RESOURCE_EXHAUSTED, f"frame of {n} bytes > {MAX_FRAME}")
+                return
+            end = REQUEST.size + n
+            if len(buf) < end:
+                return
+            with memoryview(buf) as view:
+                payload = bytes(view[REQUEST.size : end])
+            del buf[:end]
+            if not self.hello:
+                if not hmac.compare_digest(payload, self.worker.bearer):
+                    self._end(grpc.StatusCode.PERMISSION_DENIED, "Token Authorization failed")
+                    return
+                self.hello = True
+            elif deadline and time.time() > deadline:
+                self._reply(grpc.StatusCode.DEADLINE_EXCEEDED, b"its deadline passed in the queue")
+            else:
+                self._reply(*self.worker.answer(payload))
+
+    def _reply(self, code: grpc.StatusCode, out: bytes) -> None:
+        assert self.transport is not None
+        self.transport.writelines((REPLY.pack(code.value[0], len(out)), out))
+
+    def _end(self, code: grpc.StatusCode, why: str) -> None:
+        assert self.transport is not None
+        self._reply(code, why.encode())
+        self.transport.close()
+        self.transport = None
+
+
+async def serve(worker: Worker, host: str, port: int, sock: Path | None = None) -> None:
     size = [("grpc.max_send_message_length", MAX_MESSAGE),
             ("grpc.max_receive_message_length", MAX_MESSAGE)]  # fmt: skip
     server = grpc.aio.server(options=size)
@@ -132,13 +198,21 @@ async def serve(worker: Worker, host: str, port: int) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, methods),))
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise OSError(f"cannot listen on {host}:{port}: is the port taken?")
+    loop = asyncio.get_running_loop()
+    door = None
+    if sock is not None:  # only this user may connect: the folder 0700, the socket 0600
+        sock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        sock.unlink(missing_ok=True)  # a previous worker's
+        door = await loop.create_unix_server(lambda: SocketDoor(worker), str(sock))
+        sock.chmod(0o600)
     await server.start()
     stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     print(f"ready {port}", flush=True)
     await stopping.wait()
+    if door is not None:
+        door.close()  # no new connections; calls already read are answered
     await server.stop(GRACE_S)
 
 
@@ -152,6 +226,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, required=True, help="gRPC port to listen on")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
     p.add_argument("--key-file", type=Path, required=True, help="where the inference key goes")
+    p.add_argument("--socket", type=Path, default=None,
+                   help="also serve the gateway's frames on this Unix socket (serving/lite/frames.py)")  # fmt: skip
     p.add_argument("--gpu", type=int, default=None, help="CUDA device (default: CPU)")
     return p
 
@@ -163,11 +239,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.model_dir} is not an unpacked .mar (no MAR-INF/MANIFEST.json): "
               "start workers with python -m serving.lite MAR", file=sys.stderr)  # fmt: skip
         return 2
+    try:
+        args.socket is None or check_path(str(args.socket))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     os.environ.setdefault("RECSYS_REPLICA_WORKERS", "1")  # its describe answer: one worker
     handler, context = load_handler(args.model_dir, args.gpu)
     worker = Worker(handler, context, write_key(args.key_file))
     try:
-        asyncio.run(serve(worker, args.host, args.port))
+        asyncio.run(serve(worker, args.host, args.port, args.socket))
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -40,11 +40,13 @@ ROWS = 16
 
 
 @contextlib.contextmanager
-def lite(mar: Path, folder: Path, workers: int = 2) -> Iterator[tuple[subprocess.Popen[str], dict]]:
+def lite(
+    mar: Path, folder: Path, workers: int = 2, transport: str = "socket"
+) -> Iterator[tuple[subprocess.Popen[str], dict]]:
     """``python -m serving.lite MAR`` on free ports; (launcher, its JSON line); stopped after."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving.lite", str(mar), "--workers", str(workers),
-         "--port", "0", "--dir", str(folder)],
+         "--port", "0", "--dir", str(folder), "--transport", transport],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -61,14 +63,24 @@ def workers_of(launcher: subprocess.Popen[str]) -> list[psutil.Process]:
     return psutil.Process(launcher.pid).children()
 
 
+@pytest.mark.parametrize("transport", ["socket", "grpc"])
 def test_the_gateway_in_front_of_lite_workers_scores_like_the_export(
-    exported: tuple[Path, Path, str], tmp_path: Path
+    exported: tuple[Path, Path, str], tmp_path: Path, transport: str
 ) -> None:
     export, store, _ = exported
     s = np.load(export / "sample.npz")
     request = build_request(s["dense"][:ROWS], to_rows(s["values"], s["lengths"])[:ROWS])
-    with lite(store / "dlrm-tiny-1.0.mar", tmp_path / "lite") as (launcher, said):
-        assert len(said["backend"].split(",")) == 2 and "{port}" in said["key_file"]
+    with lite(store / "dlrm-tiny-1.0.mar", tmp_path / "lite", transport=transport) as (
+        launcher,
+        said,
+    ):
+        backends = said["backend"].split(",")
+        assert len(backends) == 2
+        if transport == "socket":  # each worker's socket and its own key file
+            assert all(b.startswith("lite:/") for b in backends), backends
+            assert len(said["key_file"].split(",")) == 2
+        else:
+            assert "{port}" in said["key_file"]
         assert said["hedge"] == {"ratio": 0.0}
         assert len(workers_of(launcher)) == 2
         gateway, target = start_gateway(
@@ -139,7 +151,7 @@ def test_a_lite_worker_refuses_as_torchserve_does(
     export, store, _ = exported
     s = np.load(export / "sample.npz")
     body = encode_request(s["dense"][:2], *_first_two(s))
-    with lite(store / "dlrm-tiny-1.0.mar", tmp_path / "lite", workers=1) as (_, said):
+    with lite(store / "dlrm-tiny-1.0.mar", tmp_path / "lite", 1, "grpc") as (_, said):
         target = said["backend"]
         key_file = Path(said["key_file"].format(port=target.rsplit(":", 1)[1]))
         assert oct(key_file.stat().st_mode & 0o777) == "0o600"

@@ -1,0 +1,166 @@
+"""A lite worker reached over its Unix socket (``backend`` entry ``lite:PATH``), as a channel
+the backend pool uses like a gRPC one: ``predictions(request, metadata=, timeout=)`` returns
+an awaitable call (an asyncio future: ``done``, ``add_done_callback``, ``cancel``), and a
+failure is the ``grpc.aio.AioRpcError`` a gRPC call would raise (UNAVAILABLE when the worker
+is unreachable or its connection ends, PERMISSION_DENIED for a stale key, DEADLINE_EXCEEDED),
+so failover, hedging and key re-reads work unchanged (serving/gateway/backends.py).
+
+One connection per worker; calls are pipelined on it and answered in order (the frames:
+serving/lite/frames.py). A call that times out or is cancelled keeps its place: its answer is
+read and dropped when it comes. A worker that stops reading (paused) makes its calls time out;
+once more than :data:`MAX_BUFFERED` bytes wait to be written, new calls fail fast instead of
+queueing in the gateway's memory. The connection is made on the first call after none is open
+(each failure to connect fails the calls waiting for it, at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from serving.lite.frames import MAX_FRAME, REPLY, REQUEST
+
+MAX_BUFFERED = 64 << 20
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+_EMPTY = grpc.aio.Metadata()
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, _EMPTY, _EMPTY, details)
+
+
+def _fail(future: asyncio.Future[Any], code: grpc.StatusCode, details: str) -> None:
+    if not future.done():
+        future.set_exception(rpc_error(code, details))
+
+
+class _Connection(asyncio.Protocol):
+    """One open connection: requests written as they come, answers matched in order."""
+
+    def __init__(self, channel: SocketChannel) -> None:
+        self.channel = channel
+        self.pending: deque[asyncio.Future[bytes]] = deque()
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def send(self, request: bytes, deadline: float, future: asyncio.Future[bytes]) -> None:
+        assert self.transport is not None
+        if future.done():  # expired or cancelled while the connection was made
+            return
+        if self.transport.get_write_buffer_size() > MAX_BUFFERED:
+            _fail(future, grpc.StatusCode.UNAVAILABLE,
+                  f"lite worker {self.channel.path} is not reading its socket")  # fmt: skip
+            return
+        self.transport.writelines((REQUEST.pack(len(request), deadline), request))
+        self.pending.append(future)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        while len(buf) >= REPLY.size:
+            status, n = REPLY.unpack_from(buf)
+            if n > MAX_FRAME or not self.pending:
+                self._broken(f"a malformed answer ({n} bytes, {len(self.pending)} calls)")
+                return
+            end = REPLY.size + n
+            if len(buf) < end:
+                return
+            with memoryview(buf) as view:
+                payload = bytes(view[REPLY.size : end])
+            del buf[:end]
+            future = self.pending.popleft()
+            if future.done():  # timed out or cancelled: its answer is dropped
+                continue
+            if status == 0:
+                future.set_result(payload)
+            else:
+                code = _CODES.get(status, grpc.StatusCode.UNKNOWN)
+                future.set_exception(rpc_error(code, payload.decode("utf-8", "replace")))
+
+    def _broken(self, why: str) -> None:
+        assert self.transport is not None
+        self.transport.abort()  # connection_lost fails the pending calls
+        self.channel.problem = why
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.channel.connection is self:
+            self.channel.connection = None
+        why = self.channel.problem or (str(exc) if exc else "it closed the connection")
+        while self.pending:
+            _fail(self.pending.popleft(), grpc.StatusCode.UNAVAILABLE,
+                  f"lite worker {self.channel.path}: {why}")  # fmt: skip
+
+
+class SocketChannel:
+    """Calls to one lite worker's socket at ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.connection: _Connection | None = None
+        self.problem = ""
+        self._waiting: list[tuple[bytes, float, asyncio.Future[bytes]]] = []
+        self._connecting: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def predictions(
+        self,
+        request: bytes,
+        metadata: Sequence[tuple[str, str]] = (),
+        timeout: float | None = None,
+    ) -> asyncio.Future[bytes]:
+        """One call of a serialized ``PredictionsRequest``: a future of the prediction's bytes."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bytes] = loop.create_future()
+        deadline = 0.0
+        if timeout is not None:
+            deadline = time.time() + timeout
+            timer = loop.call_later(timeout, _fail, future, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    "Deadline Exceeded")  # fmt: skip
+            future.add_done_callback(lambda _: timer.cancel())
+        if self._closed:
+            _fail(future, grpc.StatusCode.UNAVAILABLE, f"lite worker {self.path}: channel closed")
+        elif (connection := self.connection) is not None:
+            connection.send(request, deadline, future)
+        else:
+            self._waiting.append((request, deadline, future))
+            if self._connecting is None:
+                self._connecting = loop.create_task(self._connect(metadata))
+        return future
+
+    async def _connect(self, metadata: Sequence[tuple[str, str]]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            _, connection = await loop.create_unix_connection(lambda: _Connection(self), self.path)
+        except OSError as e:
+            waiting, self._waiting = self._waiting, []
+            for _, _, future in waiting:
+                _fail(future, grpc.StatusCode.UNAVAILABLE,
+                      f"lite worker {self.path}: {e.strerror or e}")  # fmt: skip
+            return
+        finally:
+            self._connecting = None
+        self.problem = ""
+        assert connection.transport is not None
+        hello = dict(metadata).get("authorization", "").encode()
+        connection.transport.write(REQUEST.pack(len(hello), 0.0) + hello)
+        self.connection = connection
+        waiting, self._waiting = self._waiting, []
+        for request, deadline, future in waiting:
+            connection.send(request, deadline, future)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self.connection is not None and self.connection.transport is not None:
+            self.connection.transport.close()
+        for _, _, future in self._waiting:
+            _fail(future, grpc.StatusCode.UNAVAILABLE, f"lite worker {self.path}: channel closed")
+        self._waiting = []
