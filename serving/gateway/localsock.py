@@ -6,7 +6,8 @@ is unreachable or its connection ends, PERMISSION_DENIED for a stale key, DEADLI
 so failover, hedging and key re-reads work unchanged (serving/gateway/backends.py).
 
 One connection per worker; calls are pipelined on it and answered in order (the frames:
-serving/lite/frames.py). A call that times out or is cancelled keeps its place: its answer is
+serving/lite/frames.py). A refused key ends the connection (the calls behind it fail
+UNAVAILABLE and fail over; the pool re-reads the key file), the next call connects again. A call that times out or is cancelled keeps its place: its answer is
 read and dropped when it comes. A worker that stops reading (paused) makes its calls time out;
 once more than :data:`MAX_BUFFERED` bytes wait to be written, new calls fail fast instead of
 queueing in the gateway's memory. The connection is made on the first call after none is open
@@ -85,6 +86,9 @@ class _Connection(asyncio.Protocol):
             else:
                 code = _CODES.get(status, grpc.StatusCode.UNKNOWN)
                 future.set_exception(rpc_error(code, payload.decode("utf-8", "replace")))
+                if code == grpc.StatusCode.PERMISSION_DENIED:  # a stale key: the next call
+                    self._broken("it refused the key")  # connects again with a fresh one
+                    return
 
     def _broken(self, why: str) -> None:
         assert self.transport is not None

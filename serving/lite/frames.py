@@ -6,8 +6,9 @@ Python gRPC stacks per call (at 100 examples x 4 callers they cost more CPU than
 the forward: docs/bench.md, "Close to the compute floor"). No torch here: the gateway imports it.
 
 - The client's first frame is its ``authorization`` value (``Bearer <key>``, the key the worker
-  wrote to its key file at start, as a TorchServe key): no answer when it is right; one
-  PERMISSION_DENIED answer, then the connection closed, when it is not.
+  wrote to its key file at start, as a TorchServe key): no answer when it is right; when it
+  is not, PERMISSION_DENIED answers it and every request sent after it, and the worker closes
+  the connection a second later.
 - Then each request frame carries a serialized ``PredictionsRequest`` and its deadline
   (seconds since the epoch, both ends on one clock; 0 = none); each gets exactly one answer,
   in order: status OK and the prediction's bytes, or a gRPC status code and its details

@@ -47,6 +47,8 @@ logger = logging.getLogger("serving.lite.worker")
 SERVICE = PREDICTIONS.rsplit("/", 2)[1]
 MAX_MESSAGE = 256 << 20  # TorchServe's gRPC limit is set per stack; the gateway bounds requests
 GRACE_S = 10.0
+DENIED = b"Token Authorization failed"
+REFUSED_LINGER_S = 1.0  # a socket client with a wrong key is disconnected this long after
 
 
 class Context:
@@ -146,6 +148,7 @@ class SocketDoor(asyncio.Protocol):
         self.worker = worker
         self.buf = bytearray()
         self.hello = False
+        self.refused = False
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -167,10 +170,16 @@ class SocketDoor(asyncio.Protocol):
                 payload = bytes(view[REQUEST.size : end])
             del buf[:end]
             if not self.hello:
-                if not hmac.compare_digest(payload, self.worker.bearer):
-                    self._end(grpc.StatusCode.PERMISSION_DENIED, "Token Authorization failed")
-                    return
                 self.hello = True
+                if not hmac.compare_digest(payload, self.worker.bearer):
+                    # the refusal answers the client's first request; what it already sent
+                    # is refused too (closing with it unread would lose the answer), then
+                    # the connection ends
+                    self.refused = True
+                    self._reply(grpc.StatusCode.PERMISSION_DENIED, DENIED)
+                    asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self.transport.close)
+            elif self.refused:
+                self._reply(grpc.StatusCode.PERMISSION_DENIED, DENIED)
             elif deadline and time.time() > deadline:
                 self._reply(grpc.StatusCode.DEADLINE_EXCEEDED, b"its deadline passed in the queue")
             else:

@@ -33,6 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_entries_parse_in_the_grpc_naming_forms() -> None:
     got = [(e.host, e.port, e.dns) for e in parse("a:1, dns:///ts:7071,dns:ts2,[::1]:9")]
     assert got == [("a", 1, False), ("ts", 7071, True), ("ts2", 7070, True), ("::1", 9, False)]
+    lite = Discovery("lite:/run/l/7200.sock,lite:/run/l/7201.sock", "/k/7200.json,/k/7201.json")
+    assert lite.fixed() == [("lite:/run/l/7200.sock", Path("/k/7200.json")),
+                            ("lite:/run/l/7201.sock", Path("/k/7201.json"))]  # fmt: skip
     for bad, says in [
         ("", "no TorchServe address"),
         ("a", "needs a port"),
@@ -40,6 +43,8 @@ def test_entries_parse_in_the_grpc_naming_forms() -> None:
         ("a:x", "needs a port"),
         ("dns://8.8.8.8/ts:7070", "no DNS authority"),
         ("dns:///:7070", "names no host"),
+        ("lite:", "needs a socket path"),
+        ("lite:/" + "d" * 120 + "/w.sock", "Unix sockets take 107 at most"),
     ]:
         with pytest.raises(ValueError, match=says):
             parse(bad)

@@ -5,10 +5,12 @@ body), and a worker killed under load restarted by the launcher with no call fai
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +24,9 @@ import psutil
 import pytest
 
 from serving.gateway.config import HedgeConfig
+from serving.gateway.localsock import SocketChannel
+from serving.gateway.replica import probe_body
+from serving.lite.frames import MAX_FRAME, REPLY, REQUEST, SCHEME
 from serving.stubs import ranker_pb2_grpc
 from serving.tools.client import build_request
 from serving.torchserve.client import (
@@ -32,7 +37,7 @@ from serving.torchserve.client import (
     predictions_request,
     score,
 )
-from serving.worker.codec import DESCRIBE, encode_request, to_rows
+from serving.worker.codec import DESCRIBE, HEADER, REJECTION, encode_request, to_rows
 from tests.stack import start_gateway, stop_gateway, wait_status
 
 pytestmark = pytest.mark.slow
@@ -179,6 +184,97 @@ def test_a_lite_worker_refuses_as_torchserve_does(
             reply = inference_stub(channel).Predictions(request, timeout=10, metadata=bearer(key))
             described = json.loads(reply.prediction)
             assert described["workers"] == 1 and described["variant"] == "int8", described
+
+
+def test_a_lite_workers_socket_answers_in_order_and_refuses_as_its_grpc_door_does(
+    exported: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    """The gateway's door (``lite:PATH``, serving/gateway/localsock.py against a real worker):
+    pipelined calls answered in order, TorchServe's refusals as gRPC errors, a call whose
+    deadline passed in the queue answered unscored, an oversized frame ending only its own
+    connection, an absent worker UNAVAILABLE at once."""
+    export, store, _ = exported
+    s = np.load(export / "sample.npz")
+    body = encode_request(s["dense"][:2], *_first_two(s))
+    with lite(store / "dlrm-tiny-1.0.mar", tmp_path / "lite", workers=1) as (_, said):
+        path = said["backend"].removeprefix(SCHEME)
+        assert oct(Path(path).stat().st_mode & 0o777) == "0o600"
+        assert oct(Path(path).parent.stat().st_mode & 0o777) == "0o700"
+        key = inference_key(Path(said["key_file"]))
+        asyncio.run(_socket_calls(path, key, body, s["probs_int8"][:2]))
+        # frames by hand: a deadline already passed, then a frame over the limit
+        with socket.socket(socket.AF_UNIX) as raw:
+            raw.settimeout(30)
+            raw.connect(path)
+            hello = bearer(key)[0][1].encode()
+            raw.sendall(REQUEST.pack(len(hello), 0) + hello)
+            request = predictions_request("dlrm-tiny", "1.0", body).SerializeToString()
+            raw.sendall(REQUEST.pack(len(request), time.time() - 1) + request)
+            assert _read_reply(raw)[0] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+            raw.sendall(REQUEST.pack(MAX_FRAME + 1, 0))
+            status, why = _read_reply(raw)
+            assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], why
+            assert raw.recv(1) == b"", "the connection is closed after it"
+        asyncio.run(_socket_calls(path, key, body, s["probs_int8"][:2]))  # others unharmed
+    gone = SocketChannel(path)  # the worker stopped: refused at once, not after a timeout
+
+    async def after() -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await gone.predictions(b"", bearer(key), 10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    t0 = time.monotonic()
+    asyncio.run(after())
+    assert time.monotonic() - t0 < 5
+
+
+async def _socket_calls(path: str, key: str, body: bytes, want: np.ndarray) -> None:
+    good = bearer(key)
+    channel = SocketChannel(path)
+
+    def request(model: tuple[str, str] = ("dlrm-tiny", "1.0"), b: bytes = body) -> bytes:
+        return predictions_request(*model, b).SerializeToString()
+
+    try:
+        many = await asyncio.gather(*(channel.predictions(request(), good, 30) for _ in range(20)))
+        for out in many:  # pipelined on one connection, each its own answer
+            np.testing.assert_allclose(np.frombuffer(out, np.float32), want, atol=1e-6)
+        # requests of other sizes in one pipeline: each gets its own number of scores
+        dense, sparse = HEADER.unpack_from(body)[2:4]
+        one = request(b=probe_body(dense, sparse))
+        mixed = await asyncio.gather(
+            channel.predictions(one, good, 30), channel.predictions(request(), good, 30)
+        )
+        assert len(np.frombuffer(mixed[0], np.float32)) == 1
+        np.testing.assert_allclose(np.frombuffer(mixed[1], np.float32), want, atol=1e-6)
+        for model in (("other", "1.0"), ("dlrm-tiny", "2.0")):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await channel.predictions(request(model), good, 30)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and "dlrm-tiny 1.0" in (
+                e.value.details() or ""
+            )
+        refused = await channel.predictions(request(b=b"RSB1 but cut"), good, 30)
+        assert refused.startswith(REJECTION), refused  # the handler's, as in TorchServe
+        stranger = SocketChannel(path)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stranger.predictions(request(), bearer("not-the-key"), 30)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        await stranger.close()
+        out = await channel.predictions(request(), good, 30)  # still served
+        np.testing.assert_allclose(np.frombuffer(out, np.float32), want, atol=1e-6)
+    finally:
+        await channel.close()
+
+
+def _read_reply(raw: socket.socket) -> tuple[int, bytes]:
+    head = b""
+    while len(head) < REPLY.size:
+        head += raw.recv(REPLY.size - len(head))
+    status, n = REPLY.unpack(head)
+    payload = b""
+    while len(payload) < n:
+        payload += raw.recv(n - len(payload))
+    return status, payload
 
 
 def _first_two(s: np.lib.npyio.NpzFile) -> tuple[np.ndarray, np.ndarray]:
