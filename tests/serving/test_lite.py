@@ -196,7 +196,7 @@ def test_a_lite_workers_socket_answers_in_order_and_refuses_as_its_grpc_door_doe
     export, store, _ = exported
     s = np.load(export / "sample.npz")
     body = encode_request(s["dense"][:2], *_first_two(s))
-    with lite(store / "dlrm-tiny-1.0.mar", tmp_path / "lite", workers=1) as (_, said):
+    with lite(store / "dlrm-tiny-1.0.mar", tmp_path / "lite", workers=1) as (launcher, said):
         path = said["backend"].removeprefix(SCHEME)
         assert oct(Path(path).stat().st_mode & 0o777) == "0o600"
         assert oct(Path(path).parent.stat().st_mode & 0o777) == "0o700"
@@ -216,6 +216,7 @@ def test_a_lite_workers_socket_answers_in_order_and_refuses_as_its_grpc_door_doe
             assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], why
             assert raw.recv(1) == b"", "the connection is closed after it"
         asyncio.run(_socket_calls(path, key, body, s["probs_int8"][:2]))  # others unharmed
+        asyncio.run(_paused(path, key, body, workers_of(launcher)[0]))
     gone = SocketChannel(path)  # the worker stopped: refused at once, not after a timeout
 
     async def after() -> None:
@@ -262,6 +263,33 @@ async def _socket_calls(path: str, key: str, body: bytes, want: np.ndarray) -> N
         await stranger.close()
         out = await channel.predictions(request(), good, 30)  # still served
         np.testing.assert_allclose(np.frombuffer(out, np.float32), want, atol=1e-6)
+    finally:
+        await channel.close()
+
+
+async def _paused(path: str, key: str, body: bytes, worker: psutil.Process) -> None:
+    """A paused worker: calls end at their deadline, not later; once it runs again, the next
+    call gets its own answer (the expired calls' answers, or none, do not take its place)."""
+    channel = SocketChannel(path)
+    request = predictions_request("dlrm-tiny", "1.0", body).SerializeToString()
+    dense, sparse = HEADER.unpack_from(body)[2:4]
+    one = predictions_request("dlrm-tiny", "1.0", probe_body(dense, sparse)).SerializeToString()
+    try:
+        await channel.predictions(request, bearer(key), 30)  # connected
+        worker.suspend()
+        try:
+            t0 = time.monotonic()
+            late = await asyncio.gather(
+                *(channel.predictions(request, bearer(key), 1.0) for _ in range(6)),
+                return_exceptions=True,
+            )
+            waited = time.monotonic() - t0
+        finally:
+            worker.resume()
+        codes = [e.code() if isinstance(e, grpc.aio.AioRpcError) else e for e in late]
+        assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 6 and waited < 10, (codes, waited)
+        answer = await channel.predictions(one, bearer(key), 30)
+        assert len(np.frombuffer(answer, np.float32)) == 1
     finally:
         await channel.close()
 
