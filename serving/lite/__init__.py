@@ -1,9 +1,11 @@
-"""A lighter backend beside TorchServe: the stack's handler behind TorchServe's gRPC inference
-API in one Python process per worker, no Java frontend and no frontend-to-worker hop.
+"""A lighter backend beside TorchServe: the stack's handler in one Python process per worker,
+no Java frontend and no frontend-to-worker hop, behind TorchServe's gRPC inference API and the
+same calls on a Unix socket (serving/lite/frames.py).
 
 ``python -m serving.lite MAR`` (serving/lite/__main__.py) unpacks a ``.mar`` as TorchServe
 would and starts its workers (serving/lite/worker.py); the gateway calls them as it calls
-TorchServe replicas (``[gateway] backend`` = their addresses, ``key_file`` their key files).
+TorchServe replicas (``[gateway] backend`` = their sockets, ``lite:PATH``, or their gRPC
+addresses; ``key_file`` their key files).
 TorchServe stays the default and the documented path: it has the management API that
 rollouts, scaling and ``make status`` use; this backend serves one model version, fixed at
 start (embedding deltas included), and is measured beside TorchServe by ``python -m
