@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from serving.lite.frames import MAX_FRAME, REPLY, REQUEST
+from serving.lite.frames import REPLY, REQUEST, FrameTooLarge, cut
 
 AHEAD = 2
 """Calls written to a worker and not answered yet, at most: the one it scores and the next,
@@ -71,19 +71,19 @@ class _Connection(asyncio.Protocol):
                 self.pending.append(future)
 
     def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        buf += data
-        while len(buf) >= REPLY.size:
-            status, n = REPLY.unpack_from(buf)
-            if n > MAX_FRAME or not self.pending:
-                self._broken(f"a malformed answer ({n} bytes, {len(self.pending)} calls)")
+        self.buf += data
+        while True:
+            try:
+                frame = cut(self.buf, REPLY)
+            except FrameTooLarge as e:
+                self._broken(f"a malformed answer: {e}")
                 return
-            end = REPLY.size + n
-            if len(buf) < end:
+            if frame is None:
                 break
-            with memoryview(buf) as view:
-                payload = bytes(view[REPLY.size : end])
-            del buf[:end]
+            (_, status), payload = frame
+            if not self.pending:
+                self._broken("an answer to no call")
+                return
             future = self.pending.popleft()
             if future.done():  # timed out or cancelled: its answer is dropped
                 continue

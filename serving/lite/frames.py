@@ -21,13 +21,14 @@ the forward: docs/bench.md, "Close to the compute floor"). No torch here: the ga
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 SCHEME = "lite:"
 """A ``backend`` entry ``lite:PATH`` names a worker's socket."""
 REQUEST = struct.Struct("<Id")
 """Payload bytes, deadline (epoch seconds, 0 = none); the hello frame's deadline is 0."""
-REPLY = struct.Struct("<BI")
-"""gRPC status code (0 = OK), payload bytes."""
+REPLY = struct.Struct("<IB")
+"""Payload bytes, gRPC status code (0 = OK)."""
 MAX_FRAME = 256 << 20
 MAX_PATH = 107
 """Longest Unix socket path Linux takes (``sun_path`` is 108 bytes with its NUL)."""
@@ -43,3 +44,24 @@ def check_path(path: str) -> str:
             "most: use a shorter folder"
         )
     return path
+
+
+class FrameTooLarge(ValueError):
+    """A frame's header says more than :data:`MAX_FRAME` bytes."""
+
+
+def cut(buf: bytearray, head: struct.Struct) -> tuple[tuple[Any, ...], bytes] | None:
+    """The first whole frame in ``buf`` (``head``'s fields, the payload), removed from it;
+    None until it has all arrived. Raises :class:`FrameTooLarge`."""
+    if len(buf) < head.size:
+        return None
+    fields = head.unpack_from(buf)
+    if fields[0] > MAX_FRAME:
+        raise FrameTooLarge(f"frame of {fields[0]} bytes > {MAX_FRAME}")
+    end = head.size + fields[0]
+    if len(buf) < end:
+        return None
+    with memoryview(buf) as view:
+        payload = bytes(view[head.size : end])
+    del buf[:end]  # bytearray drops its head without moving the rest
+    return fields, payload

@@ -40,7 +40,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from serving.lite.frames import MAX_FRAME, REPLY, REQUEST, check_path
+from serving.lite.frames import REPLY, REQUEST, FrameTooLarge, check_path, cut
 from serving.torchserve.client import PREDICTIONS, field_head, inference_pb2
 
 logger = logging.getLogger("serving.lite.worker")
@@ -156,19 +156,16 @@ class SocketDoor(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        buf += data
-        while len(buf) >= REQUEST.size and self.transport is not None:
-            n, deadline = REQUEST.unpack_from(buf)
-            if n > MAX_FRAME:
-                self._end(grpc.StatusCode.RESOURCE_EXHAUSTED, f"frame of {n} bytes > {MAX_FRAME}")
+        self.buf += data
+        while self.transport is not None:
+            try:
+                frame = cut(self.buf, REQUEST)
+            except FrameTooLarge as e:
+                self._end(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
                 return
-            end = REQUEST.size + n
-            if len(buf) < end:
+            if frame is None:
                 return
-            with memoryview(buf) as view:
-                payload = bytes(view[REQUEST.size : end])
-            del buf[:end]
+            (_, deadline), payload = frame
             if not self.hello:
                 self.hello = True
                 if not hmac.compare_digest(payload, self.worker.bearer):
@@ -187,7 +184,7 @@ class SocketDoor(asyncio.Protocol):
 
     def _reply(self, code: grpc.StatusCode, out: bytes) -> None:
         assert self.transport is not None
-        self.transport.writelines((REPLY.pack(code.value[0], len(out)), out))
+        self.transport.writelines((REPLY.pack(len(out), code.value[0]), out))
 
     def _end(self, code: grpc.StatusCode, why: str) -> None:
         assert self.transport is not None

@@ -293,7 +293,7 @@ def _read_reply(raw: socket.socket) -> tuple[int, bytes]:
     head = b""
     while len(head) < REPLY.size:
         head += raw.recv(REPLY.size - len(head))
-    status, n = REPLY.unpack(head)
+    n, status = REPLY.unpack(head)
     payload = b""
     while len(payload) < n:
         payload += raw.recv(n - len(payload))
