@@ -320,3 +320,8 @@ def test_the_launcher_refuses_what_is_not_a_mar(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert missing.returncode == 2 and "make export" in missing.stderr, missing.stderr
+    deep = subprocess.run(  # no worker could listen there: said before anything starts
+        [sys.executable, "-m", "serving.lite", str(bad), "--dir", str(tmp_path / ("d" * 110))],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert deep.returncode == 1 and "use a shorter folder" in deep.stderr, deep.stderr
