@@ -65,7 +65,7 @@ def bench(cfg: BenchConfig, work: Path, stack: contextlib.ExitStack) -> dict[str
     up = servers.start_all(
         model, ts, gateway_cfg, work, cfg.startup_timeout_s, stack,
         plain_threads=cfg.plain_threads if "plain-torchserve" in chosen else None,
-        want_stack=bool({"torchserve-grpc", "relay", "gateway", LOGGED, LITE} & set(chosen)),
+        want_stack=bool({"torchserve-grpc", "relay", "gateway", LOGGED} & set(chosen)),
         want_gateway="gateway" in chosen, want_relay="relay" in chosen,
         want_logged=LOGGED in chosen, lite=[x for x in LITES if x in chosen],
     )  # fmt: skip

@@ -243,7 +243,8 @@ class GatewayConfig:
     ``dns:///name:port`` for every address the name resolves to, looked up again at each
     health round (replicas a Deployment or ``--scale`` adds join, removed ones drain;
     serving/gateway/discovery.py), or ``lite:PATH`` for a lite worker's socket on this
-    machine (``python -m serving.lite`` prints them). Round robin over the healthy ones, failover on an outage."""
+    machine (``python -m serving.lite`` prints them). Round robin over the healthy ones,
+    failover on an outage."""
     key_file: str = env_field("RECSYS_TS_KEY_FILE", "runs/serve/torchserve/key_file.json")
     """TorchServe's key_file.json: one for all replicas, one per ``backend`` entry
     (comma-separated), or a template naming ``{host}`` such as ``/keys/{host}.json`` (each

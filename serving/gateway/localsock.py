@@ -54,6 +54,8 @@ class _Connection(asyncio.Protocol):
         self.pending: deque[asyncio.Future[bytes]] = deque()
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
+        self.problem = ""
+        """Why this side ended the connection (a malformed answer, a refused key)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -99,16 +101,19 @@ class _Connection(asyncio.Protocol):
 
     def _broken(self, why: str) -> None:
         assert self.transport is not None
-        self.channel.problem = why
+        self.problem = why
         self.transport.abort()  # connection_lost fails the calls
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.channel.connection is self:
             self.channel.connection = None
-        why = self.channel.problem or (str(exc) if exc else "it closed the connection")
+        why = self.problem or (str(exc) if exc else "it closed the connection")
+        why = f"lite worker {self.channel.path}: {why}"
         # the unanswered calls and those waiting to be written: the worker is gone (or
         # refused us); they fail over now rather than wait for a reconnection
-        self.channel.fail_all(self.pending, f"lite worker {self.channel.path}: {why}")
+        while self.pending:
+            _fail(self.pending.popleft(), grpc.StatusCode.UNAVAILABLE, why)
+        self.channel.fail_waiting(why)
 
 
 class SocketChannel:
@@ -117,7 +122,6 @@ class SocketChannel:
     def __init__(self, path: str) -> None:
         self.path = path
         self.connection: _Connection | None = None
-        self.problem = ""
         self.waiting: deque[tuple[bytes, float, asyncio.Future[bytes]]] = deque()
         """Calls not written yet: no connection yet, or :data:`AHEAD` unanswered."""
         self._connecting: asyncio.Task[None] | None = None
@@ -153,28 +157,23 @@ class SocketChannel:
         try:
             _, connection = await loop.create_unix_connection(lambda: _Connection(self), self.path)
         except OSError as e:
-            self.fail_all((), f"lite worker {self.path}: {e.strerror or e}")
+            self.fail_waiting(f"lite worker {self.path}: {e.strerror or e}")
             return
         finally:
             self._connecting = None
-        self.problem = ""
         assert connection.transport is not None
         hello = dict(metadata).get("authorization", "").encode()
         connection.transport.write(REQUEST.pack(len(hello), 0.0) + hello)
         self.connection = connection
         connection.pump()
 
-    def fail_all(self, pending: deque[asyncio.Future[bytes]] | tuple[()], why: str) -> None:
-        """Fail ``pending`` and every call waiting to be written: UNAVAILABLE, ``why``."""
-        futures = [*pending, *(future for _, _, future in self.waiting)]
-        if isinstance(pending, deque):
-            pending.clear()
-        self.waiting.clear()
-        for future in futures:
-            _fail(future, grpc.StatusCode.UNAVAILABLE, why)
+    def fail_waiting(self, why: str) -> None:
+        """Fail every call not written yet: UNAVAILABLE, ``why``."""
+        while self.waiting:
+            _fail(self.waiting.popleft()[2], grpc.StatusCode.UNAVAILABLE, why)
 
     async def close(self) -> None:
         self._closed = True
         if self.connection is not None and self.connection.transport is not None:
             self.connection.transport.close()
-        self.fail_all((), f"lite worker {self.path}: channel closed")
+        self.fail_waiting(f"lite worker {self.path}: channel closed")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import select
@@ -82,9 +81,6 @@ class Pool:
     host: str = "127.0.0.1"
     threads: int = 1
     gpus: int = 0
-    transport: str = "socket"
-    """How the gateway reaches the workers: ``socket`` (each worker's Unix socket, the
-    frames of serving/lite/frames.py) or ``grpc`` (TorchServe's gRPC API on its port)."""
     procs: list[subprocess.Popen[bytes] | None] = field(init=False)
     """Each port's worker process (None until started)."""
     started: list[float] = field(init=False)
@@ -98,23 +94,18 @@ class Pool:
         return self.keys / f"{port}.json"
 
     def socket(self, port: int) -> Path:
-        """The Unix socket of the worker of ``port`` (in a 0700 folder beside the keys)."""
-        return self.keys.parent.resolve() / "sockets" / f"{port}.sock"
+        return socket_path(self.keys.parent, port)
 
-    @property
-    def backend(self) -> str:
-        """The gateway's ``backend``: every worker's socket (``lite:PATH``) or address."""
-        if self.transport == "socket":
-            return ",".join(f"{SCHEME}{self.socket(p)}" for p in self.ports)
-        return ",".join(f"{self.host}:{p}" for p in self.ports)
-
-    @property
-    def key_template(self) -> str:
-        """The gateway's ``key_file``: a template filled with each worker's port (gRPC), or
-        each worker's own file, in ``backend``'s order (sockets)."""
-        if self.transport == "socket":
-            return ",".join(str(self.key_file(p).resolve()) for p in self.ports)
-        return str(self.keys.resolve() / "{port}.json")
+    def door(self, transport: str) -> dict[str, str]:
+        """The gateway's ``backend`` and ``key_file`` for the workers' ``transport``:
+        ``socket`` (each worker's socket, ``lite:PATH``, and its own key file, in that order)
+        or ``grpc`` (their addresses, and a key file template filled with each port)."""
+        if transport == "socket":
+            sockets = ",".join(f"{SCHEME}{self.socket(p)}" for p in self.ports)
+            keys = ",".join(str(self.key_file(p).resolve()) for p in self.ports)
+            return {"backend": sockets, "key_file": keys}
+        addresses = ",".join(f"{self.host}:{p}" for p in self.ports)
+        return {"backend": addresses, "key_file": str(self.keys.resolve() / "{port}.json")}
 
     def start(self, i: int) -> None:
         """Start the worker of ``self.ports[i]`` (its process goes in ``self.procs[i]``)."""
@@ -195,21 +186,24 @@ def wait_ready(proc: subprocess.Popen[bytes], deadline: float, name: str) -> Non
             raise RuntimeError(f"{name} exited {proc.returncode} before it was ready")
 
 
+def socket_path(folder: Path, port: int) -> Path:
+    """The Unix socket of the worker of ``port`` (in a 0700 folder beside the keys)."""
+    return folder.resolve() / "sockets" / f"{port}.sock"
+
+
 def pool_for(
-    mar: Path, workers: int, port: int, folder: Path, host: str = "127.0.0.1", gpus: int = 0,
-    transport: str = "socket",
-) -> Pool:  # fmt: skip
+    mar: Path, workers: int, port: int, folder: Path, host: str = "127.0.0.1", gpus: int = 0
+) -> Pool:
     """A pool (not started) of ``workers`` (0: the CPUs this process may use) for ``mar``,
-    unpacked under ``folder``, on ports ``port``.. (0: free ones); ValueError for a folder
-    too deep for the workers' sockets."""
+    unpacked under ``folder``, on ports ``port``.. (0: free ones); ValueError, before
+    anything is written, for a folder too deep for the workers' sockets."""
     n = workers or available_cpus()
     ports = free_ports(n, host) if port == 0 else list(range(port, port + n))
-    cores = available_cpus()
-    pool = Pool(folder, ports, folder / "keys", host, max(1, cores // n), gpus, transport)
     for p in ports:
-        check_path(str(pool.socket(p)))
-    pool.model_dir = unpack(mar, folder)
-    return pool
+        check_path(str(socket_path(folder, p)))
+    cores = available_cpus()
+    model_dir = unpack(mar, folder)
+    return Pool(model_dir, ports, folder / "keys", host, max(1, cores // n), gpus)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -251,20 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        pool = pool_for(
-            args.mar, args.workers, args.port, args.dir, args.host, args.gpus, args.transport
-        )
+        pool = pool_for(args.mar, args.workers, args.port, args.dir, args.host, args.gpus)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
         pool.start_all(args.timeout)
-        grpc_pool = dataclasses.replace(pool, transport="grpc")
-        grpc_door = {"backend": grpc_pool.backend, "key_file": grpc_pool.key_template}
-        print(json.dumps({"backend": pool.backend, "key_file": pool.key_template,
-                          **GATEWAY_SETTINGS, "grpc": grpc_door}))  # fmt: skip
+        door = pool.door(args.transport)
+        print(json.dumps({**door, **GATEWAY_SETTINGS, "grpc": pool.door("grpc")}))
         print(f"gateway: python -m serving.gateway --schema {pool.model_dir / 'schema.json'} "
-              f"--backend {pool.backend} --key-file '{pool.key_template}' --hedge.ratio 0",
+              f"--backend {door['backend']} --key-file '{door['key_file']}' --hedge.ratio 0",
               flush=True)  # fmt: skip
         pool.supervise(stopping)
     except RuntimeError as e:

@@ -128,7 +128,7 @@ class Worker:
 
     async def predictions(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         if not self._authorized(context):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "Token Authorization failed")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, DENIED.decode())
         code, out = self.answer(raw)
         if code != grpc.StatusCode.OK:
             await context.abort(code, out.decode())
@@ -233,7 +233,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
     p.add_argument("--key-file", type=Path, required=True, help="where the inference key goes")
     p.add_argument("--socket", type=Path, default=None,
-                   help="also serve the gateway's frames on this Unix socket (serving/lite/frames.py)")  # fmt: skip
+                   help="also serve the gateway's frames on this Unix socket "
+                   "(serving/lite/frames.py)")  # fmt: skip
     p.add_argument("--gpu", type=int, default=None, help="CUDA device (default: CPU)")
     return p
 
